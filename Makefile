@@ -1,0 +1,30 @@
+# Two commands: `make demo` (set up and run the CPU demo) and `make test` (set up and run the suite).
+# Both create .venv/ if it is missing. torch==2.13.0 is installed first so that CPU machines
+# take the local CPU build instead of downloading a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/raygraph train configs/demo.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check raygraph workflows tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs mlruns .pytest_cache

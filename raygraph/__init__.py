@@ -1,0 +1,2 @@
+"""raygraph: Ray-native RL post-training for LLMs."""
+__version__ = "0.1.0"

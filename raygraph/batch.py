@@ -1,0 +1,234 @@
+"""`Batch`: the unit of data that moves between roles.
+
+A batch is B rows. Each row has named tensor columns (first dimension B), named non-tensor
+columns (numpy object arrays of length B) and batch-level `meta` (a plain dict).
+
+Sequence layout used by every role::
+
+    input_ids      = cat(prompt_ids, responses)          # (B, P + R)
+    attention_mask = cat(prompt_mask, response_mask)     # (B, P + R)
+
+`prompt_ids` are LEFT-padded to a common length P, `responses` RIGHT-padded to R, so the
+first response token is always at column P. Column names below are the only spellings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Batch",
+    "PROMPT_IDS", "PROMPT_MASK", "RESPONSES", "RESPONSE_MASK", "RESPONSE_LENGTH",
+    "ROLLOUT_LOGPROBS", "OLD_LOGPROBS", "REF_LOGPROBS", "ENTROPY", "VALUES",
+    "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
+    "REWARD_BASELINES", "WEIGHT_VERSION", "REWARD_EXTRA_PREFIX",
+    "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "RESPONSE_TEXT", "EXTRA_INFO",
+]
+
+# --- tensor columns -------------------------------------------------------------------------
+PROMPT_IDS = "prompt_ids"                # (B, P) int64, left-padded with the pad id
+PROMPT_MASK = "prompt_mask"              # (B, P) int64, 1 on real prompt tokens
+RESPONSES = "responses"                  # (B, R) int64, right-padded with the pad id
+RESPONSE_MASK = "response_mask"          # (B, R) int64, 1 on generated tokens (eos included)
+RESPONSE_LENGTH = "response_length"      # (B,)   int64, number of generated tokens
+ROLLOUT_LOGPROBS = "rollout_logprobs"    # (B, R) float32, the rollout engine's own log-probs
+OLD_LOGPROBS = "old_logprobs"            # (B, R) float32, policy log-probs before the update
+REF_LOGPROBS = "ref_logprobs"            # (B, R) float32, frozen reference policy log-probs
+ENTROPY = "entropy"                      # (B, R) float32, policy entropy per position
+VALUES = "values"                        # (B, R) float32, critic values
+TOKEN_LEVEL_SCORES = "token_level_scores"    # (B, R) float32, reward placed on the last token
+TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float32, scores minus KL penalty (if any)
+ADVANTAGES = "advantages"                # (B, R) float32
+RETURNS = "returns"                      # (B, R) float32
+REWARD_BASELINES = "reward_baselines"    # (B,)   float32, e.g. ReMax greedy-rollout score
+WEIGHT_VERSION = "weight_version"        # (B,)   int64, policy version that generated the row
+REWARD_EXTRA_PREFIX = "reward_extra."    # (B,)   float32 columns, e.g. "reward_extra.acc"
+
+# --- non-tensor columns ---------------------------------------------------------------------
+UID = "uid"                  # group id: the n samples of one prompt share it
+DATA_SOURCE = "data_source"  # selects the rule reward
+GROUND_TRUTH = "ground_truth"
+PROMPT_TEXT = "prompt_text"  # the formatted prompt string (after the chat template)
+RESPONSE_TEXT = "response_text"
+EXTRA_INFO = "extra_info"
+
+
+def _as_object_array(values: Iterable[Any]) -> np.ndarray:
+    values = list(values)
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+@dataclass
+class Batch:
+    """Named columns of B rows. Cheap to pickle (tensors go through Ray's zero-copy path).
+
+    Args:
+        tensors: name -> tensor with first dimension B.
+        non_tensors: name -> numpy object array (or any sequence) of length B.
+        meta: batch-level values (not split or concatenated row-wise; the first batch's wins).
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.non_tensors = {k: v if isinstance(v, np.ndarray) and v.dtype == object
+                            else _as_object_array(v) for k, v in self.non_tensors.items()}
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        sizes.update({k: len(v) for k, v in self.non_tensors.items()})
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch columns disagree on the number of rows: {sizes}")
+
+    # --- access -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return int(v.shape[0])
+        for v in self.non_tensors.values():
+            return len(v)
+        return 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors or name in self.non_tensors
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.tensors:
+            return self.tensors[name]
+        if name in self.non_tensors:
+            return self.non_tensors[name]
+        raise KeyError(f"Batch has no column {name!r}; it has {sorted(self.columns())}")
+
+    def columns(self) -> list[str]:
+        return [*self.tensors, *self.non_tensors]
+
+    # --- building new batches -------------------------------------------------------------------
+    def with_columns(self, **columns: Any) -> Batch:
+        """Return a new batch with `columns` added or replaced (tensors by type, else non-tensor)."""
+        tensors, non_tensors = dict(self.tensors), dict(self.non_tensors)
+        for name, value in columns.items():
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value
+                non_tensors.pop(name, None)
+            else:
+                non_tensors[name] = value
+                tensors.pop(name, None)
+        return Batch(tensors, non_tensors, dict(self.meta))
+
+    def union(self, other: Batch) -> Batch:
+        """Columns of both batches (same rows); `other` wins where both have a column."""
+        if len(self) != len(other) and self.columns() and other.columns():
+            raise ValueError(f"cannot union batches of {len(self)} and {len(other)} rows")
+        merged = self.with_columns(**other.tensors, **other.non_tensors)
+        merged.meta.update(other.meta)
+        return merged
+
+    def select_columns(self, names: Sequence[str]) -> Batch:
+        return Batch({k: v for k, v in self.tensors.items() if k in names},
+                     {k: v for k, v in self.non_tensors.items() if k in names}, dict(self.meta))
+
+    def select(self, index: Sequence[int] | torch.Tensor | np.ndarray | slice) -> Batch:
+        """Rows at `index` (a slice, integer indices or a boolean mask)."""
+        if isinstance(index, slice):
+            return Batch({k: v[index] for k, v in self.tensors.items()},
+                         {k: v[index] for k, v in self.non_tensors.items()}, dict(self.meta))
+        idx = torch.as_tensor(np.asarray(index))
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        np_idx = idx.numpy()
+        return Batch({k: v[idx] for k, v in self.tensors.items()},
+                     {k: v[np_idx] for k, v in self.non_tensors.items()}, dict(self.meta))
+
+    def repeat_interleave(self, n: int) -> Batch:
+        """Each row repeated `n` times in place (row i -> rows i*n .. i*n+n-1)."""
+        idx = torch.arange(len(self)).repeat_interleave(n)
+        return self.select(idx)
+
+    def split(self, size: int) -> list[Batch]:
+        """Consecutive pieces of `size` rows (the last may be shorter)."""
+        if size < 1:
+            raise ValueError(f"split size must be >= 1, got {size}")
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def chunk(self, parts: int) -> list[Batch]:
+        """`parts` consecutive pieces whose sizes differ by at most one row."""
+        bounds = np.linspace(0, len(self), parts + 1).round().astype(int)
+        return [self.select(slice(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def chunk_by_group(self, parts: int, key: str = UID) -> list[Batch]:
+        """`parts` pieces that keep rows sharing `key` together (groups of one prompt).
+
+        Groups are assumed contiguous (as rollouts produce them). Raises when the number of
+        groups is not divisible by `parts`, so that ranks always receive equal work.
+        """
+        if key not in self.non_tensors:
+            return self.chunk(parts)
+        ids = self.non_tensors[key]
+        starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
+        if len(starts) % parts:
+            raise ValueError(f"{len(starts)} groups cannot be split evenly over {parts} ranks")
+        per = len(starts) // parts
+        bounds = starts[::per] + [len(ids)]
+        return [self.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """Rows of all `batches` in order; tensor columns are right-padded to a common width.
+
+        Padding matters for (B, R) columns produced by ranks whose longest response differs;
+        padded positions are zero (masks) or the first batch's pad value is not assumed: use the
+        masks, never the padded values.
+        """
+        batches = [b for b in batches if b is not None]
+        if not batches:
+            return Batch()
+        if len(batches) == 1:
+            return batches[0]
+        names = batches[0].tensors.keys()
+        tensors = {name: _cat_padded([b.tensors[name] for b in batches], name) for name in names}
+        non_tensors = {name: np.concatenate([b.non_tensors[name] for b in batches])
+                       for name in batches[0].non_tensors}
+        meta = dict(batches[0].meta)
+        return Batch(tensors, non_tensors, meta)
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.tensors.items()},
+                     dict(self.non_tensors), dict(self.meta))
+
+    def nbytes(self) -> int:
+        """Bytes held by tensor columns (what a transfer of this batch costs)."""
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
+
+    def __repr__(self) -> str:
+        cols = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self.tensors.items())
+        extra = ", ".join(self.non_tensors)
+        return f"Batch(rows={len(self)}, tensors=[{cols}], non_tensors=[{extra}])"
+
+
+def _cat_padded(tensors: list[torch.Tensor], name: str) -> torch.Tensor:
+    if tensors[0].dim() < 2:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    if name == PROMPT_IDS or name == PROMPT_MASK:
+        raise_if = [t for t in tensors if t.shape[1] != width]
+        if raise_if:
+            return torch.cat([_left_pad(t, width) for t in tensors])
+    return torch.cat([_right_pad(t, width) for t in tensors])
+
+
+def _right_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0))

@@ -1,0 +1,1 @@
+"""One DAG file per algorithm."""
