@@ -6,11 +6,29 @@ import importlib
 import importlib.util
 import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import workflows as _shipped
 
-__all__ = ["workflow_names", "load_workflow", "check_workflow_ref"]
+__all__ = ["Workflow", "workflow_names", "load_workflow", "check_workflow_ref"]
+
+DEFAULT_ROLES = ("policy", "rollout", "reward")
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A loaded workflow: its `build(roles, cfg)` and what it needs from the trainer.
+
+    A workflow module may declare `ROLES` (the roles its DAG binds; the reference role is added
+    by the trainer whenever the config uses a KL term) and `DATA_FORMAT` ("rl" prompts,
+    "sft" prompt/response pairs or "dpo" preference pairs).
+    """
+
+    ref: str
+    build: Callable
+    roles: tuple[str, ...] = DEFAULT_ROLES
+    data_format: str = "rl"
 
 
 def workflow_names() -> list[str]:
@@ -33,8 +51,8 @@ def check_workflow_ref(ref: str) -> str | None:
     return f"unknown workflow {ref!r}; valid names: {', '.join(workflow_names())} (or a path like my_algo.py:build)"
 
 
-def load_workflow(ref: str) -> Callable:
-    """Return the `build(roles, cfg)` function named by `ref`."""
+def load_workflow(ref: str) -> Workflow:
+    """Import the workflow named by `ref` (a shipped name or `path.py[:function]`)."""
     error = check_workflow_ref(ref)
     if error:
         raise ValueError(error)
@@ -48,4 +66,5 @@ def load_workflow(ref: str) -> Callable:
     build = getattr(module, attr, None)
     if not callable(build):
         raise ValueError(f"workflow {ref!r} has no callable {attr!r}")
-    return build
+    return Workflow(ref, build, tuple(getattr(module, "ROLES", DEFAULT_ROLES)),
+                    getattr(module, "DATA_FORMAT", "rl"))

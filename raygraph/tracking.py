@@ -1,0 +1,168 @@
+"""Where metrics go: `metrics.jsonl`, MLflow, the console, and Ray metrics for the dashboard.
+
+`Tracker.log(step, metrics)` writes one JSON object per step (always with `step`) and forwards
+the same numbers to every sink. Sinks that fail to start (no MLflow server, no Ray) are reported
+once and skipped; the jsonl file is never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Tracker", "ConsoleProgress"]
+
+log = logging.getLogger("raygraph")
+
+# Metrics that the console line and the dashboard show (the rest are in jsonl and MLflow).
+_HEADLINE = {
+    "reward/mean": "reward",
+    "val/accuracy": "val_acc",
+    "timing/step_s": "step_s",
+    "perf/tokens_per_s": "tok/s",
+}
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out[key] = value
+    return out
+
+
+class ConsoleProgress:
+    """One line per step. On a terminal the line also shows an ETA; in a log it stays plain."""
+
+    def __init__(self, total_steps: int, mode: str = "auto", stream=None):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.tty = mode == "bar" or (mode == "auto" and self.stream.isatty())
+        self._start = time.monotonic()
+        self._first_step: int | None = None
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if self._first_step is None:
+            self._first_step = step - 1
+        parts = [f"step {step}/{self.total}"]
+        for key, short in _HEADLINE.items():
+            if key in metrics:
+                parts.append(f"{short}={metrics[key]:.4g}")
+        done = step - self._first_step
+        if self.tty and done > 0:
+            eta = (time.monotonic() - self._start) / done * (self.total - step)
+            parts.append(f"eta={eta:.0f}s")
+        print("[raygraph] " + " ".join(parts), file=self.stream, flush=True)
+
+
+class _MlflowSink:
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict, config_path: Path):
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_experiment(experiment)
+        self.run = mlflow.start_run(run_name=run_name)
+        flat = _flatten(params)
+        for i in range(0, len(flat), 100):  # MLflow caps a params batch at 100
+            mlflow.log_params(dict(list(flat.items())[i:i + 100]))
+        mlflow.log_artifact(str(config_path))
+        self.run_id = self.run.info.run_id
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        safe = {k.replace("@", "_at_"): v for k, v in metrics.items()}
+        self.mlflow.log_metrics(safe, step=step)
+
+    def close(self, status: str) -> None:
+        self.mlflow.end_run(status=status)
+
+
+class _RayMetricsSink:
+    """Gauges exported with `ray.util.metrics`, shown in the dashboard's Metrics view."""
+
+    def __init__(self, run_name: str):
+        from ray.util import metrics as ray_metrics
+
+        self.tags = {"run": run_name}
+        self.gauges = {
+            key: ray_metrics.Gauge(f"raygraph_{short.replace('/', '_per_')}", description=key, tag_keys=("run",))
+            for key, short in _HEADLINE.items()
+        }
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.set(metrics[key], tags=self.tags)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = str(value)[:500]
+    return out
+
+
+class Tracker:
+    """Fan-out of per-step metrics to jsonl (always), MLflow, Ray metrics and the console.
+
+    Args:
+        run_dir: the run directory; `metrics.jsonl` is appended there (resume keeps history).
+        total_steps: for the console line.
+        mlflow_uri: tracking URI, or None to skip MLflow.
+        experiment, run_name: MLflow names.
+        params: the resolved config as a nested dict (MLflow params).
+        ray_metrics: export headline metrics with `ray.util.metrics`.
+        console: "auto" | "bar" | "lines".
+    """
+
+    def __init__(self, run_dir: Path, *, total_steps: int, mlflow_uri: str | None, experiment: str,
+                 run_name: str, params: dict, ray_metrics: bool = True, console: str = "auto"):
+        self.run_dir = Path(run_dir)
+        self.jsonl = (self.run_dir / "metrics.jsonl").open("a")
+        self.console = ConsoleProgress(total_steps, console)
+        self.sinks: list[Any] = []
+        self.mlflow_run_id: str | None = None
+        if mlflow_uri:
+            self._start_sink(lambda: _MlflowSink(mlflow_uri, experiment, run_name, params,
+                                                 self.run_dir / "config.yaml"), "MLflow")
+            if self.sinks:
+                self.mlflow_run_id = self.sinks[-1].run_id
+        if ray_metrics:
+            self._start_sink(lambda: _RayMetricsSink(run_name), "Ray metrics")
+
+    def _start_sink(self, make, what: str) -> None:
+        try:
+            self.sinks.append(make())
+        except Exception as exc:  # a tracking backend must never stop training
+            log.warning("%s logging disabled: %s", what, exc)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        clean = _finite(metrics)
+        self.jsonl.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        self.jsonl.flush()
+        for sink in self.sinks:
+            try:
+                sink.log(step, clean)
+            except Exception as exc:
+                log.warning("dropping a metrics sink after an error: %s", exc)
+                self.sinks.remove(sink)
+        self.console.update(step, clean)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.jsonl.close()
+        for sink in self.sinks:
+            if hasattr(sink, "close"):
+                sink.close(status)
