@@ -162,28 +162,26 @@ class Batch:
         return [self.select(slice(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def chunk_by_group(self, parts: int, key: str = UID) -> list[Batch]:
-        """`parts` pieces that keep rows sharing `key` together (groups of one prompt).
+        """`parts` pieces that keep rows sharing `key` together (the samples of one prompt).
 
-        Groups are assumed contiguous (as rollouts produce them). Raises when the number of
-        groups is not divisible by `parts`, so that ranks always receive equal work.
+        Groups are assumed contiguous (as rollouts produce them); the number of groups per piece
+        differs by at most one.
         """
         if key not in self.non_tensors:
             return self.chunk(parts)
         ids = self.non_tensors[key]
-        starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
-        if len(starts) % parts:
-            raise ValueError(f"{len(starts)} groups cannot be split evenly over {parts} ranks")
-        per = len(starts) // parts
-        bounds = starts[::per] + [len(ids)]
-        return [self.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
+        n_groups = len(starts) - 1
+        cuts = np.linspace(0, n_groups, parts + 1).round().astype(int)
+        return [self.select(slice(starts[a], starts[b])) for a, b in zip(cuts[:-1], cuts[1:])]
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
         """Rows of all `batches` in order; tensor columns are right-padded to a common width.
 
-        Padding matters for (B, R) columns produced by ranks whose longest response differs;
-        padded positions are zero (masks) or the first batch's pad value is not assumed: use the
-        masks, never the padded values.
+        Ranks whose longest response differs produce (B, R) columns of different widths: they are
+        padded with zeros (prompt columns on the left, others on the right). Padded positions
+        have mask 0; read values through the masks, never the padding.
         """
         batches = [b for b in batches if b is not None]
         if not batches:
@@ -215,11 +213,8 @@ def _cat_padded(tensors: list[torch.Tensor], name: str) -> torch.Tensor:
     if tensors[0].dim() < 2:
         return torch.cat(tensors)
     width = max(t.shape[1] for t in tensors)
-    if name == PROMPT_IDS or name == PROMPT_MASK:
-        raise_if = [t for t in tensors if t.shape[1] != width]
-        if raise_if:
-            return torch.cat([_left_pad(t, width) for t in tensors])
-    return torch.cat([_right_pad(t, width) for t in tensors])
+    pad = _left_pad if name in (PROMPT_IDS, PROMPT_MASK) else _right_pad
+    return torch.cat([pad(t, width) for t in tensors])
 
 
 def _right_pad(t: torch.Tensor, width: int) -> torch.Tensor:
