@@ -1,0 +1,216 @@
+"""The two actor classes of the runtime: `RoleHost` (hosts role workers) and `Coordinator`.
+
+Neither carries `@ray.remote`: `raygraph.cluster.roles` turns them into actors at creation time
+with resources taken from the placement (`ray.remote(num_cpus=..., num_gpus=...)(RoleHost)`).
+
+A `RoleHost` holds one worker per role it hosts (one role normally; several when roles are fused
+in colocated mode) and runs DAG steps and direct calls on them. Every exception leaving it is a
+`RemoteFailure` that names the role, rank, node and traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from raygraph.cluster import steps as S
+from raygraph.cluster.errors import CallSite, RemoteFailure, WeightSyncError
+
+__all__ = ["RoleHost", "Coordinator"]
+
+
+def _node() -> tuple[str, str]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+class RoleHost:
+    """One actor process: role workers of one rank, plus their weight-sync endpoints.
+
+    Args:
+        actor_name: `<run>/<role>/<rank>` (or `<run>/<a+b>/<rank>` when fused).
+        ranks: role name -> this actor's rank in that role.
+    """
+
+    def __init__(self, actor_name: str, ranks: dict[str, int]):
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        node_id, ip = _node()
+        self.sites = {role: CallSite(role, rank, actor_name, node_id, ip) for role, rank in ranks.items()}
+        self.workers: dict[str, Any] = {}
+        self._transports: dict[str, Any] = {}
+        self._versions: dict[str, int] = {}
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def node_info(self) -> dict:
+        node_id, ip = _node()
+        return {"node_id": node_id, "node_ip": ip, "pid": os.getpid()}
+
+    def free_port(self) -> tuple[str, int]:
+        """An address for torch.distributed rendezvous hosted by this actor (rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return _node()[1], port
+
+    def init_distributed(self, role: str, rank: int, world: int, addr: str, port: int,
+                         timeout_s: float) -> None:
+        """Join the role's torch.distributed group (the process's default group)."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        with self._guard(role, "init_distributed"):
+            os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(world), LOCAL_RANK="0")
+            if dist.is_initialized():
+                if dist.get_world_size() != world or dist.get_rank() != rank:
+                    raise RuntimeError(f"process already in a group of {dist.get_world_size()} "
+                                       f"(rank {dist.get_rank()}); fused roles must share ranks")
+                return
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def construct(self, role: str, factory: Callable, kwargs: dict) -> None:
+        with self._guard(role, "__init__"):
+            self.workers[role] = factory(**kwargs)
+
+    # --- direct calls ---------------------------------------------------------------------------
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._guard(role, method):
+            return getattr(self.workers[role], method)(*args, **kwargs)
+
+    def ping(self) -> bool:
+        return True
+
+    # --- DAG steps --------------------------------------------------------------------------------
+    def run(self, step: S.Step, *values: Any) -> Any:
+        """Execute one DAG step (see `raygraph.cluster.steps.Step`)."""
+        with self._guard(step.role, step.method or step.op):
+            args, kwargs = S.resolve(step, values)
+            if step.op == "call":
+                out = getattr(self.workers[step.role], step.method)(*args, **kwargs)
+            elif step.op == "weights_local":
+                out = self.weights_local(**step.extra)
+            elif step.op == "weights_send":
+                out = self.weights_send(**step.extra)
+            elif step.op == "weights_recv":
+                out = self.weights_recv(**step.extra)
+            else:
+                raise ValueError(f"RoleHost cannot run step op {step.op!r}")
+        return (out, S.OK) if step.status else out
+
+    # --- weight sync ------------------------------------------------------------------------------
+    def weights_open(self, group: str, world: int, timeout_s: float) -> tuple[str, int]:
+        from raygraph.cluster import collective
+
+        return collective.open_store(group, world, timeout_s)
+
+    def weights_join(self, role: str, group: str, rank: int, world: int, addr: str, port: int,
+                     timeout_s: float, labels: list[str]) -> None:
+        import torch
+
+        from raygraph.cluster import collective
+        from raygraph.cluster.weights import CollectiveTransport
+
+        with self._guard(role, "weights_join"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            collective.join(group, rank, world, addr, port, device=device, timeout_s=timeout_s,
+                            labels=labels)
+            self._transports[group] = CollectiveTransport(group, src=0)
+
+    def _next_version(self, key: str, version: int | None) -> int:
+        self._versions[key] = self._versions.get(key, 0) + 1 if version is None else version
+        return self._versions[key]
+
+    def weights_local(self, src: str, dst: str, bucket_bytes: int, strict: bool = True,
+                      corrupt_bucket: int | None = None, version: int | None = None) -> dict:
+        """Colocated: hand the policy's buckets to the rollout worker in this process."""
+        from raygraph.cluster.weights import InProcessTransport
+
+        with self._guard(dst, "load_weights"):
+            v = self._next_version(f"{src}->{dst}", version)
+            transport = InProcessTransport()
+            transport.send(self.workers[src].weight_buckets(bucket_bytes), v, corrupt_bucket=corrupt_bucket)
+            stats = transport.receive(self.workers[dst].load_weights, strict=strict)
+            return {"sender": {}, "receiver": stats}
+
+    def weights_send(self, src: str, group: str, bucket_bytes: int, corrupt_bucket: int | None = None,
+                     version: int | None = None) -> dict:
+        with self._guard(src, "weight_send"):
+            v = self._next_version(group, version)
+            buckets = self.workers[src].weight_buckets(bucket_bytes)
+            return {"sender": self._transport(group).send(buckets, v, corrupt_bucket=corrupt_bucket)}
+
+    def weights_recv(self, dst: str, group: str, strict: bool = True) -> dict:
+        with self._guard(dst, "weight_recv"):
+            stats = self._transport(group).receive(self.workers[dst].load_weights, strict=strict)
+            return {"receiver": stats}
+
+    def _transport(self, group: str):
+        if group not in self._transports:
+            raise WeightSyncError(f"this actor has not joined weight-sync group {group!r}")
+        return self._transports[group]
+
+    def _guard(self, role: str, method: str) -> _Guard:
+        site = self.sites.get(role) or next(iter(self.sites.values()))
+        return _Guard(site, method)
+
+
+class _Guard:
+    """Turns any exception into a `RemoteFailure` naming the site (role, rank, node)."""
+
+    def __init__(self, site: CallSite, method: str):
+        self.site, self.method = site, method
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, RemoteFailure):
+            raise RemoteFailure.wrap(self.site, self.method, exc) from None
+        return False
+
+
+class Coordinator:
+    """Runs whole-batch steps (scatter, gather, apply, sync stats) off the driver."""
+
+    def __init__(self, run_name: str):
+        node_id, ip = _node()
+        self.site = CallSite("coordinator", 0, f"{run_name}/coordinator", node_id, ip)
+
+    def ping(self) -> bool:
+        return True
+
+    def run(self, step: S.Step, *values: Any) -> Any:
+        with _Guard(self.site, step.label):
+            args, kwargs = S.resolve(step, values)
+            if step.op == "scatter":
+                parts = S.scatter(S.merge_shards(values), step.n_out)
+                out = tuple(parts) if step.n_out > 1 else parts[0]
+            elif step.op == "gather":
+                out = S.gather(values, step.groups)
+            elif step.op == "apply":
+                out = step.fn(*args, **kwargs)
+            elif step.op == "weights_combine":
+                out = _combine_sync(values)
+            else:
+                raise ValueError(f"Coordinator cannot run step op {step.op!r}")
+        if not step.status:
+            return out
+        return (*out, S.OK) if step.n_out > 1 else (out, S.OK)
+
+
+def _combine_sync(values: tuple) -> dict:
+    from raygraph.cluster.weights import combine_stats
+
+    reports = [v for v in values if isinstance(v, dict) and ("sender" in v or "receiver" in v)]
+    sender = next((r["sender"] for r in reports if r.get("sender")), {})
+    receivers = [r["receiver"] for r in reports if "receiver" in r]
+    return combine_stats(sender, receivers)

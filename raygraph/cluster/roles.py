@@ -1,0 +1,315 @@
+"""Role groups: N actors per role, placed on pool bundles, optionally fused (colocated mode).
+
+`build_roles` is the one entry point: pools -> placement groups, specs -> `RoleHost` actors
+(named `<run>/<role>/<rank>`, fused ones `<run>/<a+b>/<rank>`), torch.distributed rendezvous for
+distributed roles, worker construction, and (when the sender and receiver of weights live in
+different processes) the weight-sync collective group. Any failure on the way shuts down what
+was created and re-raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raygraph.cluster.errors import CallSite, wait_calls
+from raygraph.cluster.host import Coordinator, RoleHost
+from raygraph.cluster.pools import PoolSpec, create_pool, remove_pool
+
+__all__ = ["RoleSpec", "RoleGroup", "Roles", "build_roles"]
+
+_MODES = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How to run one role.
+
+    Args:
+        factory: the worker class (plain Python, no Ray); called as `factory(**kwargs)` in the actor.
+        kwargs: flat constructor arguments.
+        world_size: number of ranks (actors, or fused-actor slots).
+        pool: name of the resource pool whose bundles host the ranks (rank r -> bundle r % bundles).
+        distributed: set up a torch.distributed group over the ranks before constructing.
+    """
+
+    factory: Callable[..., Any]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    pool: str = "default"
+    distributed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"RoleSpec.world_size must be >= 1, got {self.world_size}")
+
+
+class RoleGroup:
+    """The ranks of one role. Calls fan out to every rank; failures raise `RoleError`."""
+
+    def __init__(self, name: str, roles: Roles, actors: list, sites: list[CallSite]):
+        self.name, self.roles, self.actors, self.sites = name, roles, actors, sites
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Submit `method` on every rank; returns one ref per rank (same args to all)."""
+        return [a.call.options(name=f"{self.name}.{method}").remote(self.name, method, *args, **kwargs)
+                for a in self.actors]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `method` on every rank and wait; returns the per-rank results.
+
+        Raises:
+            RoleError: for the first rank that fails (without waiting for the others).
+        """
+        refs = self.call_async(method, *args, **kwargs)
+        return wait_calls(refs, self.sites, [method] * len(refs))
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = self.actors[0].call.options(name=f"{self.name}.{method}").remote(self.name, method, *args, **kwargs)
+        return wait_calls([ref], self.sites[:1], [method])[0]
+
+    def bind(self, method: str, *args: Any, **kwargs: Any):
+        """A DAG node: `method` on every rank. Whole-batch inputs are split by prompt group."""
+        from raygraph.dag import CallNode
+
+        return CallNode(self, method, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"RoleGroup({self.name!r}, world_size={self.world_size})"
+
+
+class Roles:
+    """All role groups of a run, their placement groups and the coordinator actor."""
+
+    def __init__(self, run_name: str, mode: str, bucket_bytes: int, weight_sync_timeout_s: float):
+        self.run_name, self.mode = run_name, mode
+        self.bucket_bytes, self.weight_sync_timeout_s = bucket_bytes, weight_sync_timeout_s
+        self.groups: dict[str, RoleGroup] = {}
+        self.placement_groups: dict[str, Any] = {}
+        self.hosts: list = []
+        self.coordinator = None
+        self.weight_groups: dict[tuple[str, str], str] = {}   # (src, dst) -> collective group name
+        self._closed = False
+
+    def __getattr__(self, name: str) -> RoleGroup:
+        groups = self.__dict__.get("groups", {})
+        if name in groups:
+            return groups[name]
+        raise AttributeError(f"no role {name!r}; roles are {sorted(groups)}")
+
+    def __getitem__(self, name: str) -> RoleGroup:
+        return getattr(self, name)
+
+    def names(self) -> list[str]:
+        return list(self.groups)
+
+    def fused(self, a: str, b: str) -> bool:
+        """Whether ranks of roles `a` and `b` share actor processes."""
+        ga, gb = self.groups[a], self.groups[b]
+        return ga.world_size == gb.world_size and all(x == y for x, y in zip(ga.actors, gb.actors))
+
+    # --- DAG helpers (nodes, see raygraph.dag) ------------------------------------------------------
+    def gather(self, *nodes):
+        """A node holding the whole result: shards concatenated, inputs' columns unioned."""
+        from raygraph.dag import GatherNode
+
+        return GatherNode(self, nodes)
+
+    def apply(self, fn: Callable, *args: Any, **kwargs: Any):
+        """A node running the module-level function `fn` on whole values on the coordinator."""
+        from raygraph.dag import ApplyNode
+
+        return ApplyNode(self, fn, args, kwargs)
+
+    def sync_weights(self, after=None, src: str = "policy", dst: str = "rollout", *,
+                     strict: bool = True, corrupt_bucket: int | None = None):
+        """A node that pushes `src`'s weights to every `dst` rank once `after` is done.
+
+        Returns a node whose value is a dict: weights/verified, weights/version, weights/bytes,
+        weights/sync_s (and weights/receivers, weights/gbytes_per_s).
+        """
+        from raygraph.dag import SyncNode
+
+        return SyncNode(self, src, dst, after, strict=strict, corrupt_bucket=corrupt_bucket)
+
+    def sync_weights_now(self, src: str = "policy", dst: str = "rollout", *, strict: bool = True,
+                         corrupt_bucket: int | None = None, version: int | None = None) -> dict:
+        """Push weights immediately (outside a DAG), e.g. after loading a checkpoint.
+
+        Args:
+            strict: raise on a bucket that fails verification (else report weights/verified=0).
+            corrupt_bucket: for tests only: flip one byte of that bucket after its checksum.
+            version: stamp this version instead of the next one (e.g. the step when resuming).
+        """
+        from raygraph.cluster.sync import sync_now
+
+        return sync_now(self, src, dst, strict=strict, corrupt_bucket=corrupt_bucket, version=version)
+
+    # --- teardown ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill every actor and remove every placement group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for actor in [*self.hosts, self.coordinator]:
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+        for pg in self.placement_groups.values():
+            remove_pool(pg)
+
+    def __enter__(self) -> Roles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Roles({self.run_name!r}, mode={self.mode!r}, groups={list(self.groups.values())})"
+
+
+def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, RoleSpec], *,
+                mode: str = "colocated", colocate: Sequence[Sequence[str]] = (),
+                placement_timeout_s: float = 60.0, weight_sync_timeout_s: float = 60.0,
+                bucket_bytes: int = 64 << 20, env_vars: dict[str, str] | None = None,
+                weight_sync: Sequence[tuple[str, str]] = (("policy", "rollout"),)) -> Roles:
+    """Create the placement groups, actors and workers of a run.
+
+    Args:
+        run_name: prefix of actor and placement-group names (`<run>/<role>/<rank>`, `<run>/<pool>`).
+        pools: pool name -> `PoolSpec`.
+        specs: role name -> `RoleSpec`.
+        mode: "colocated" (roles listed together in `colocate` share one actor per rank) or
+            "disaggregated" (every role in its own actors; `colocate` is ignored).
+        colocate: tuples of role names to fuse (same pool and world size required).
+        placement_timeout_s: bounded wait for each placement group.
+        weight_sync_timeout_s: bound on joining and on each transfer of the weight-sync group.
+        bucket_bytes: weight-sync bucket size.
+        env_vars: extra environment for every actor (OMP_NUM_THREADS defaults to 1).
+        weight_sync: (src, dst) role pairs whose weights are synced; pairs with a missing role
+            are skipped. Pairs not fused get a collective group created here.
+
+    Raises:
+        PlacementError: a pool could not be placed in time. RoleError: an actor failed to start.
+    """
+    from raygraph.cluster.sync import setup_weight_groups
+
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    _validate(pools, specs, colocate if mode == "colocated" else ())
+    roles = Roles(run_name, mode, bucket_bytes, weight_sync_timeout_s)
+    try:
+        for name, spec in pools.items():
+            roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)
+        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
+        units = _fusion_units(specs, colocate if mode == "colocated" else ())
+        _create_hosts(roles, pools, specs, units, env)
+        _init_distributed(roles, specs, placement_timeout_s)
+        _construct(roles, specs)
+        setup_weight_groups(roles, [p for p in weight_sync if p[0] in specs and p[1] in specs])
+    except BaseException:
+        roles.shutdown()
+        raise
+    return roles
+
+
+def _validate(pools: dict[str, PoolSpec], specs: dict[str, RoleSpec], colocate) -> None:
+    for role, spec in specs.items():
+        if spec.pool not in pools:
+            raise ValueError(f"role {role!r} uses pool {spec.pool!r}; pools are {sorted(pools)}")
+        if "/" in role or "+" in role:
+            raise ValueError(f"role name {role!r} may not contain '/' or '+'")
+    seen: set[str] = set()
+    for unit in colocate:
+        for role in unit:
+            if role not in specs:
+                raise ValueError(f"colocate names unknown role {role!r}; roles are {sorted(specs)}")
+            if role in seen:
+                raise ValueError(f"role {role!r} appears in more than one colocate group")
+            seen.add(role)
+        first = specs[unit[0]]
+        for role in unit[1:]:
+            if (specs[role].pool, specs[role].world_size) != (first.pool, first.world_size):
+                raise ValueError(f"colocated roles {tuple(unit)} must share pool and world_size")
+
+
+def _fusion_units(specs: dict[str, RoleSpec], colocate) -> list[tuple[str, ...]]:
+    fused = {r for unit in colocate for r in unit}
+    return [tuple(u) for u in colocate] + [(r,) for r in specs if r not in fused]
+
+
+def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
+    # Actors sharing a bundle split its resources evenly (fractional CPUs/GPUs).
+    per_bundle: dict[tuple[str, int], int] = {}
+    for unit in units:
+        spec = specs[unit[0]]
+        for rank in range(spec.world_size):
+            key = (spec.pool, rank % pools[spec.pool].bundles)
+            per_bundle[key] = per_bundle.get(key, 0) + 1
+    coordinator_cls = ray.remote(num_cpus=0)(Coordinator)
+    roles.coordinator = coordinator_cls.options(
+        name=f"{roles.run_name}/coordinator", runtime_env={"env_vars": env}).remote(roles.run_name)
+    refs, labels = [], []
+    members: dict[str, list] = {r: [] for r in specs}
+    for unit in units:
+        spec, pool = specs[unit[0]], pools[specs[unit[0]].pool]
+        for rank in range(spec.world_size):
+            bundle = rank % pool.bundles
+            share = per_bundle[(spec.pool, bundle)]
+            actor_name = f"{roles.run_name}/{'+'.join(unit)}/{rank}"
+            cls = ray.remote(num_cpus=pool.cpus_per_bundle / share,
+                             num_gpus=pool.gpus_per_bundle / share)(RoleHost)
+            actor = cls.options(
+                name=actor_name, max_restarts=0, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    roles.placement_groups[spec.pool], placement_group_bundle_index=bundle),
+            ).remote(actor_name, {role: rank for role in unit})
+            roles.hosts.append(actor)
+            for role in unit:
+                members[role].append((actor, actor_name))
+            refs.append(actor.node_info.remote())
+            labels.append((unit, rank, actor_name))
+    sites = [CallSite("+".join(u), r, n) for u, r, n in labels]
+    infos = wait_calls(refs, sites, ["start"] * len(refs))
+    info_by_name = {n: info for (_, _, n), info in zip(labels, infos)}
+    for role, actors in members.items():
+        role_sites = [CallSite(role, rank, name, info_by_name[name]["node_id"], info_by_name[name]["node_ip"])
+                      for rank, (_, name) in enumerate(actors)]
+        roles.groups[role] = RoleGroup(role, roles, [a for a, _ in actors], role_sites)
+
+
+def _init_distributed(roles: Roles, specs: dict[str, RoleSpec], timeout_s: float) -> None:
+    done: set = set()   # fused roles share one process group: init once per set of actors
+    refs, sites, methods = [], [], []
+    for role, spec in specs.items():
+        group = roles.groups[role]
+        key = tuple(a._actor_id for a in group.actors)
+        if not spec.distributed or key in done:
+            continue
+        done.add(key)
+        addr, port = wait_calls([group.actors[0].free_port.remote()], group.sites[:1], ["free_port"])[0]
+        for rank, actor in enumerate(group.actors):
+            refs.append(actor.init_distributed.remote(role, rank, group.world_size, addr, port, timeout_s))
+            sites.append(group.sites[rank])
+            methods.append("init_distributed")
+    wait_calls(refs, sites, methods, timeout_s=timeout_s + 5)
+
+
+def _construct(roles: Roles, specs: dict[str, RoleSpec]) -> None:
+    refs, sites = [], []
+    for role, spec in specs.items():
+        group = roles.groups[role]
+        for rank, actor in enumerate(group.actors):
+            refs.append(actor.construct.remote(role, spec.factory, spec.kwargs))
+            sites.append(group.sites[rank])
+    wait_calls(refs, sites, ["__init__"] * len(refs))

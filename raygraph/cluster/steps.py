@@ -1,0 +1,127 @@
+"""What one DAG step asks an actor to do, and the data plumbing the coordinator runs.
+
+A `Step` is a small picklable description: which operation, which role/method, and how to
+build the call's arguments from constants and the values of upstream steps (`Arg`). Both
+executors (compiled and interpreted) pass upstream values *positionally* after the step, so
+keyword arguments may be DAG nodes even though Ray Compiled Graphs only bind positional ones.
+
+The coordinator functions (`scatter`, `gather`, `apply`) see whole batches; they run on a small
+coordinator actor, never on the driver.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from raygraph.batch import Batch
+
+__all__ = ["Arg", "Step", "resolve", "scatter", "merge_shards", "gather", "OK"]
+
+OK = True   # the status value interpreted execution returns next to every step's result
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A constant (`const`) or the `index`-th upstream value passed to the step."""
+
+    const: Any = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One operation on one actor.
+
+    Args:
+        op: "call" (worker method), "scatter", "gather", "apply", or a weight-sync op
+            ("weights_local", "weights_send", "weights_recv", "weights_combine").
+        role, method, rank: what runs (for "call") and how errors name it.
+        args, kwargs: argument templates resolved against the upstream values.
+        n_out: number of results (scatter returns one per shard).
+        groups: for "gather": how many consecutive upstream values form each input (its shards).
+        fn: for "apply": the module-level function to run.
+        extra: operation-specific constants (e.g. weight-sync options).
+        status: also return `OK` as a last result (interpreted execution watches these).
+    """
+
+    op: str
+    role: str = ""
+    method: str = ""
+    rank: int = 0
+    args: tuple[Arg, ...] = ()
+    kwargs: dict[str, Arg] = field(default_factory=dict)
+    n_out: int = 1
+    groups: tuple[int, ...] = ()
+    fn: Callable | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    status: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}.{self.method}" if self.role else self.op
+
+
+def resolve(step: Step, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The positional and keyword arguments of `step`, given the upstream `values`."""
+    def one(a: Arg) -> Any:
+        return a.const if a.index is None else values[a.index]
+
+    return [one(a) for a in step.args], {k: one(a) for k, a in step.kwargs.items()}
+
+
+def scatter(value: Any, parts: int) -> list[Any]:
+    """Split a Batch over `parts` ranks, keeping prompt groups together; replicate anything else."""
+    if isinstance(value, Batch):
+        return value.chunk_by_group(parts)
+    return [value] * parts
+
+
+def merge_shards(shards: Sequence[Any]) -> Any:
+    """One value from per-rank values: Batches concatenated, dicts averaged per key."""
+    shards = list(shards)
+    if len(shards) == 1:
+        return shards[0]
+    if all(isinstance(s, Batch) for s in shards):
+        return Batch.concat(shards)
+    if all(isinstance(s, dict) for s in shards):
+        return _mean_dicts(shards)
+    if all(s is None for s in shards):
+        return None
+    return shards
+
+
+def _mean_dicts(dicts: Sequence[dict]) -> dict:
+    out: dict[str, Any] = {}
+    for key in dicts[0]:
+        vals = [d[key] for d in dicts if key in d]
+        if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in vals):
+            out[key] = float(sum(vals) / len(vals))
+        else:
+            out[key] = vals[0]
+    return out
+
+
+def gather(values: Sequence[Any], groups: Sequence[int]) -> Any:
+    """Merge each input's shards, then union the inputs (Batch columns; dict keys).
+
+    Args:
+        values: all shards of all inputs, input after input.
+        groups: the number of shards of each input.
+    """
+    merged, start = [], 0
+    for n in groups:
+        merged.append(merge_shards(values[start:start + n]))
+        start += n
+    out = merged[0]
+    for nxt in merged[1:]:
+        if isinstance(out, Batch) and isinstance(nxt, Batch):
+            out = out.union(nxt)
+        elif isinstance(out, dict) and isinstance(nxt, dict):
+            out = {**out, **nxt}
+        else:
+            raise TypeError(f"cannot gather a {type(out).__name__} with a {type(nxt).__name__}; "
+                            "gather Batches with Batches and metric dicts with dicts")
+    return out

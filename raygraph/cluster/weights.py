@@ -1,0 +1,278 @@
+"""Weight sync: policy -> rollout, bucket by bucket, every bucket verified by the receiver.
+
+Two transports behind one small interface (`WeightTransport`):
+
+* `InProcessTransport` (colocated/fused actors): the policy's buckets are handed to the rollout
+  worker in the same process; no copy over the network.
+* `CollectiveTransport` (disaggregated): a bucketed broadcast from the policy's rank 0 to every
+  rollout rank over a `ray.util.collective` group. Per bucket: a header (meta length, payload
+  length), the pickled meta (names, shapes, dtypes, offsets, checksum, version) and one flat
+  payload. An end marker (header of zeros) closes a transfer.
+
+Receivers recompute each bucket's checksum (`bucket_checksum`) and compare it with the one the
+sender computed before the bytes left; a mismatch is never loaded. Every transfer carries a
+`weight_version` that increases by one per sync; the rollout stamps it on the rows it generates.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from raygraph.cluster.errors import WeightSyncError
+
+__all__ = ["Bucket", "WeightTransport", "InProcessTransport", "CollectiveTransport",
+           "bucket_checksum", "pack_bucket", "unpack_bucket", "combine_stats"]
+
+Bucket = list[tuple[str, torch.Tensor]]
+LoadFn = Callable[[Iterable[Bucket], int], Any]   # rollout_worker.load_weights(buckets, version)
+_ALIGN = 16
+
+
+def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
+    """A cheap, exact digest of the tensors' bytes (CRC-32 on CPU; integer sums on GPU).
+
+    Computed by the sender before the bytes leave and by the receiver on what it is about to
+    load; both sides of one transport use the same device type, hence the same algorithm.
+    """
+    crc = 0
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if raw.is_cuda:
+            crc = _device_digest(raw, crc)
+        else:
+            crc = zlib.crc32(memoryview(raw.numpy()), crc)
+    return crc
+
+
+def _device_digest(raw: torch.Tensor, seed: int) -> int:
+    # Integer (wrapping) sums are order-independent, so the result is deterministic on GPU.
+    pad = (-raw.numel()) % 4
+    words = torch.nn.functional.pad(raw, (0, pad)).view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=raw.device, dtype=torch.int64) % 65521 + 1
+    return hash((seed, int(words.sum()), int((words * weights).sum()), raw.numel())) & 0xFFFFFFFF
+
+
+def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """Copy a bucket into one flat uint8 payload; meta says how to cut it back into tensors."""
+    names, shapes, dtypes, offsets, end = [], [], [], [], 0
+    for name, t in bucket:
+        names.append(name)
+        shapes.append(tuple(t.shape))
+        dtypes.append(t.dtype)
+        offsets.append(end)
+        end += _aligned(t.numel() * t.element_size())
+    payload = torch.zeros(end, dtype=torch.uint8, device=device)
+    for (_, t), off in zip(bucket, offsets):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        payload[off:off + raw.numel()].copy_(raw)
+    meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets,
+            "checksum": bucket_checksum(t for _, t in bucket)}
+    return meta, payload
+
+
+def unpack_bucket(meta: dict, payload: torch.Tensor) -> Bucket:
+    """Views into `payload` (no copy), one per tensor named in `meta`."""
+    out = []
+    for name, shape, dtype, off in zip(meta["names"], meta["shapes"], meta["dtypes"], meta["offsets"]):
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, payload[off:off + n].view(dtype).view(shape)))
+    return out
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _corrupt(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` with its first byte flipped (tests use this to prove verification works)."""
+    bad = t.detach().clone().contiguous()
+    bad.reshape(-1).view(torch.uint8)[0] ^= 0xFF
+    return bad
+
+
+class WeightTransport(Protocol):
+    """Moves buckets from the sender's worker to the receivers' workers.
+
+    `send` runs on the sending process, `receive` on every receiving process; both return a
+    stats dict (`weights/*` keys). New transports (CUDA IPC, engine-native) implement these two.
+    """
+
+    def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
+        ...
+
+    def receive(self, load: LoadFn, *, strict: bool = True) -> dict:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class InProcessTransport:
+    """Sender and receiver live in one process (fused actor): buckets are handed over by reference.
+
+    `send` only records the bucket stream; `receive` pulls it, checksums each bucket as produced
+    and again as handed to `load`, and loads only buckets that match.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[Iterator[Bucket], int, int | None] | None = None
+
+    def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
+        self._pending = (iter(buckets), version, corrupt_bucket)
+        return {}
+
+    def receive(self, load: LoadFn, *, strict: bool = True) -> dict:
+        if self._pending is None:
+            raise WeightSyncError("in-process receive without a matching send")
+        source, version, corrupt = self._pending
+        self._pending = None
+        start, stats = time.perf_counter(), {"bytes": 0, "buckets": 0, "bad": []}
+
+        def verified() -> Iterator[Bucket]:
+            for index, bucket in enumerate(source):
+                sent = bucket_checksum(t for _, t in bucket)
+                if index == corrupt:
+                    bucket = [(bucket[0][0], _corrupt(bucket[0][1])), *bucket[1:]]
+                got = bucket_checksum(t for _, t in bucket)
+                stats["buckets"] += 1
+                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+                if got != sent:
+                    problem = _mismatch(version, index, bucket, sent, got)
+                    if strict:
+                        raise WeightSyncError(problem)
+                    stats["bad"].append(problem)
+                    continue
+                yield bucket
+
+        load(verified(), version)
+        return _receiver_stats(version, stats, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._pending = None
+
+
+def _mismatch(version: int, index: int, bucket: Bucket, sent: int, got: int) -> str:
+    names = [name for name, _ in bucket]
+    return (f"weight sync v{version}: bucket {index} ({len(names)} tensors, first {names[:3]}) "
+            f"failed verification: sender checksum {sent:#010x}, receiver {got:#010x}; "
+            f"the bucket was NOT loaded")
+
+
+def _receiver_stats(version: int, stats: dict, seconds: float) -> dict:
+    return {"weights/verified": 0.0 if stats["bad"] else 1.0, "weights/version": float(version),
+            "weights/bytes": float(stats["bytes"]), "weights/buckets": float(stats["buckets"]),
+            "weights/sync_s": seconds, "weights/errors": list(stats["bad"])}
+
+
+def combine_stats(sender: dict, receivers: list[dict]) -> dict:
+    """One `weights/*` dict for a sync: verified only if every receiver verified the same bytes."""
+    versions = {r["weights/version"] for r in receivers}
+    sent_bytes = sender.get("weights/bytes", receivers[0]["weights/bytes"] if receivers else 0.0)
+    ok = (all(r["weights/verified"] == 1.0 for r in receivers) and len(versions) == 1
+          and all(r["weights/bytes"] == sent_bytes for r in receivers))
+    seconds = max([sender.get("weights/sync_s", 0.0)] + [r["weights/sync_s"] for r in receivers])
+    out = {"weights/verified": 1.0 if ok else 0.0,
+           "weights/version": max(versions) if versions else 0.0,
+           "weights/bytes": float(sent_bytes), "weights/sync_s": seconds,
+           "weights/receivers": float(len(receivers))}
+    if seconds > 0:
+        out["weights/gbytes_per_s"] = sent_bytes / seconds / 1e9
+    return out
+
+
+class CollectiveTransport:
+    """Bucketed broadcast over a `ray.util.collective` group; rank `src` sends, the rest receive.
+
+    Args:
+        group: a joined `raygraph.cluster.collective.StandaloneGroup` (via ray.util.collective).
+        src: the sending rank within the group.
+    """
+
+    def __init__(self, group_name: str, src: int = 0):
+        from raygraph.cluster import collective
+
+        self.group_name, self.src = group_name, src
+        self._group = collective.group(group_name)
+        self._device = self._group.device
+
+    def _bcast(self, tensor: torch.Tensor) -> None:
+        import ray.util.collective as col
+
+        col.broadcast(tensor, src_rank=self.src, group_name=self.group_name)
+
+    def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
+        start, total, count = time.perf_counter(), 0, 0
+        self._group.arrive(f"send v{version}")
+        for index, bucket in enumerate(buckets):
+            meta, payload = pack_bucket(bucket, self._device)
+            meta.update(version=version, index=index)
+            if index == corrupt_bucket:
+                payload[0] ^= 0xFF
+            raw = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self._device)
+            self._bcast(torch.tensor([raw.numel(), payload.numel()], dtype=torch.int64, device=self._device))
+            self._bcast(raw)
+            self._bcast(payload)
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            count += 1
+        self._bcast(torch.zeros(2, dtype=torch.int64, device=self._device))
+        return {"weights/bytes": float(total), "weights/buckets": float(count),
+                "weights/version": float(version), "weights/sync_s": time.perf_counter() - start}
+
+    def _buckets(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        while True:
+            header = torch.zeros(2, dtype=torch.int64, device=self._device)
+            self._bcast(header)
+            meta_len, payload_len = (int(x) for x in header.tolist())
+            if meta_len == 0:
+                return
+            raw = torch.empty(meta_len, dtype=torch.uint8, device=self._device)
+            self._bcast(raw)
+            payload = torch.empty(payload_len, dtype=torch.uint8, device=self._device)
+            self._bcast(payload)
+            yield pickle.loads(raw.cpu().numpy().tobytes()), payload
+
+    def receive(self, load: LoadFn, *, strict: bool = True) -> dict:
+        start, stats = time.perf_counter(), {"bytes": 0, "buckets": 0, "bad": []}
+        self._group.arrive("receive")
+        stream = self._buckets()
+        first = next(stream, None)
+        if first is None:
+            raise WeightSyncError(f"weight sync over {self.group_name!r}: the sender sent no buckets")
+        version = int(first[0]["version"])
+
+        def verified() -> Iterator[Bucket]:
+            for meta, payload in _chain(first, stream):
+                bucket = unpack_bucket(meta, payload)
+                got = bucket_checksum(t for _, t in bucket)
+                stats["buckets"] += 1
+                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+                if got != meta["checksum"]:
+                    problem = _mismatch(version, meta["index"], bucket, meta["checksum"], got)
+                    if strict:
+                        raise WeightSyncError(problem)
+                    stats["bad"].append(problem)
+                    continue
+                yield bucket
+
+        try:
+            load(verified(), version)
+        finally:
+            for _ in stream:   # keep the group in lock-step even if loading stopped early
+                pass
+        return _receiver_stats(version, stats, time.perf_counter() - start)
+
+    def close(self) -> None:
+        from raygraph.cluster import collective
+
+        collective.leave(self.group_name)
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
