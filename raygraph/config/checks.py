@@ -1,0 +1,234 @@
+"""Rules that relate several config keys, and names checked against the registries.
+
+Each check returns plain-language problems (a list, possibly empty), so that every problem of a
+config is reported at once. Registry modules are imported lazily: a module that is not present
+(ImportError) is skipped rather than reported, so the config can be checked in a checkout where
+that part of raygraph is not installed yet.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from pathlib import Path
+
+from raygraph.config.schema import GROUP_ESTIMATORS, ROLES, RaygraphConfig
+
+__all__ = ["config_problems", "registry_problems", "semantic_problems"]
+
+
+def config_problems(cfg: RaygraphConfig) -> list[str]:
+    """Every cross-field and registry problem of a structurally valid config."""
+    return semantic_problems(cfg) + registry_problems(cfg)
+
+
+def semantic_problems(cfg: RaygraphConfig) -> list[str]:
+    """Cross-field rules, in plain language (no imports beyond the schema)."""
+    problems: list[str] = []
+    for check in (_batch_split, _groups, _reward, _reference, _placement, _pools, _data, _trainer):
+        problems.extend(check(cfg))
+    return problems
+
+
+def _batch_split(cfg: RaygraphConfig) -> list[str]:
+    problems, p, n = [], cfg.data.prompts_per_step, cfg.rollout.n
+    place = cfg.placement
+    for key, workers, what in (("rollout_workers", place.rollout_workers, "rollout workers"),
+                               ("train_workers", place.train_workers, "training ranks")):
+        if p % workers:
+            problems.append(f"data.prompts_per_step={p} cannot be split evenly over placement.{key}={workers} "
+                            f"{what} (each receives whole prompts with all their samples); "
+                            f"use a multiple of {workers}")
+    sections = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.uses_critic else [])
+    for name, section in sections:
+        mini = section.mini_batch_size
+        if mini is None:
+            continue
+        batch = cfg.samples_per_step
+        if batch % mini:
+            problems.append(f"{name}.mini_batch_size={mini} does not divide the batch of "
+                            f"data.prompts_per_step x rollout.n = {p} x {n} = {batch} samples")
+        if mini % n:
+            problems.append(f"{name}.mini_batch_size={mini} is not a multiple of rollout.n={n}: "
+                            "each optimizer step must see whole groups of samples")
+        if mini % place.train_workers:
+            problems.append(f"{name}.mini_batch_size={mini} is not a multiple of placement.train_workers="
+                            f"{place.train_workers}: every rank must get the same share of an optimizer step")
+    return problems
+
+
+def _groups(cfg: RaygraphConfig) -> list[str]:
+    advantage, n = cfg.advantage_estimator, cfg.rollout.n
+    if advantage not in GROUP_ESTIMATORS or cfg.data.format != "rl":
+        return []
+    if n < 2:
+        return [f"the {advantage!r} advantage estimator compares the samples of each prompt with each other, "
+                f"so rollout.n must be at least 2 (got {n})"]
+    if cfg.rollout.temperature == 0:
+        return [f"rollout.temperature=0 is greedy decoding: all rollout.n={n} samples of a prompt would be "
+                f"identical and every {advantage!r} advantage zero; use a temperature above 0"]
+    return []
+
+
+def _reward(cfg: RaygraphConfig) -> list[str]:
+    reward = cfg.reward
+    if reward.kind == "model" and not reward.model_path:
+        return ["reward.kind='model' needs reward.model_path (the reward model to load)"]
+    if reward.kind == "remote" and reward.remote is None:
+        return ["reward.kind='remote' needs reward.remote.url (the scoring service)"]
+    return []
+
+
+def _reference(cfg: RaygraphConfig) -> list[str]:
+    problems = []
+    if cfg.reference.enabled is False and cfg.uses_kl:
+        problems.append("a KL term is on (actor.kl_loss_coef or algorithm.kl_in_reward.coef > 0) but "
+                        "reference.enabled is false; the KL needs the reference model")
+    kl = cfg.algorithm.kl_in_reward
+    if kl.controller == "adaptive" and kl.coef == 0:
+        problems.append("algorithm.kl_in_reward.controller='adaptive' scales kl_in_reward.coef, which is 0, "
+                        "so the penalty would stay off; set a starting coef above 0")
+    return problems
+
+
+def _placement(cfg: RaygraphConfig) -> list[str]:
+    problems, place = [], cfg.placement
+    if place.max_staleness > 0 and place.mode != "disaggregated":
+        problems.append(f"placement.max_staleness={place.max_staleness} needs placement.mode=disaggregated: "
+                        "colocated roles share devices and run one after another, so rollouts cannot run ahead")
+    if place.mode == "colocated" and place.rollout_workers != place.train_workers:
+        problems.append(f"placement.mode=colocated runs one rollout engine beside each training rank, so "
+                        f"placement.rollout_workers ({place.rollout_workers}) must equal "
+                        f"placement.train_workers ({place.train_workers})")
+    if cfg.rollout.engine == "vllm":
+        rollout_pool = (place.pools or {}).get(place.roles.get("rollout", ""))
+        gpus = rollout_pool.gpus_per_bundle if rollout_pool else place.gpus_per_worker
+        if gpus <= 0:
+            problems.append("rollout.engine='vllm' runs on GPUs only, but the rollout workers get no GPU; "
+                            "set placement.gpus_per_worker (or the rollout pool's gpus_per_bundle) above 0, "
+                            "or use rollout.engine=hf")
+    return problems
+
+
+def _active_roles(cfg: RaygraphConfig) -> dict[str, int]:
+    """Role -> number of workers, for the roles this config runs."""
+    place = cfg.placement
+    roles = {"policy": place.train_workers, "rollout": place.rollout_workers, "reward": place.rollout_workers}
+    if cfg.uses_reference:
+        roles["reference"] = place.train_workers
+    if cfg.uses_critic:
+        roles["critic"] = place.train_workers
+    return roles
+
+
+def _pools(cfg: RaygraphConfig) -> list[str]:
+    place = cfg.placement
+    if place.pools is None:
+        return ["placement.roles is set but placement.pools is not; roles map to explicit pools"] \
+            if place.roles else []
+    problems = []
+    for role, pool in place.roles.items():
+        if role not in ROLES:
+            problems.append(f"placement.roles.{role}: unknown role{_did_you_mean(role, ROLES)}; "
+                            f"roles are {', '.join(ROLES)}")
+        elif pool not in place.pools:
+            problems.append(f"placement.roles.{role}={pool!r} names no pool{_did_you_mean(pool, place.pools)}; "
+                            f"pools are {', '.join(place.pools)}")
+    for role, workers in _active_roles(cfg).items():
+        if role not in place.roles:
+            problems.append(f"placement.roles has no pool for the {role} role (needed when placement.pools "
+                            "is set)")
+            continue
+        pool = place.pools.get(place.roles[role])
+        if pool is not None and workers > pool.bundles:
+            problems.append(f"the {role} role needs {workers} workers but pool {place.roles[role]!r} has only "
+                            f"{pool.bundles} bundles (placement.pools.{place.roles[role]}.bundles)")
+    policy_pool, rollout_pool = place.roles.get("policy"), place.roles.get("rollout")
+    if policy_pool and rollout_pool:
+        if place.mode == "colocated" and policy_pool != rollout_pool:
+            problems.append(f"placement.mode=colocated but policy (pool {policy_pool!r}) and rollout "
+                            f"(pool {rollout_pool!r}) are on different pools")
+        if place.mode == "disaggregated" and policy_pool == rollout_pool:
+            problems.append(f"placement.mode=disaggregated but policy and rollout share pool {policy_pool!r}")
+    return problems
+
+
+def _data(cfg: RaygraphConfig) -> list[str]:
+    data = cfg.data
+    if data.toy is None:
+        return []
+    problems = []
+    if len(data.train_files) != 1 or len(data.val_files) > 1:
+        problems.append("data.toy writes one train and one validation file, so data.train_files and "
+                        "data.val_files must name one file each")
+    folders = {str(Path(f).parent) for f in data.train_files + data.val_files}
+    if len(folders) > 1:
+        problems.append(f"data.toy writes its files into one directory, but data.train_files and "
+                        f"data.val_files are in {len(folders)}: {', '.join(sorted(folders))}")
+    if data.format != "rl":
+        problems.append(f"data.toy generates rl-format prompts, but data.format is {data.format!r}")
+    return problems
+
+
+def _trainer(cfg: RaygraphConfig) -> list[str]:
+    if cfg.trainer.val_every > 0 and not cfg.data.val_files:
+        return [f"trainer.val_every={cfg.trainer.val_every} but data.val_files is empty: "
+                "there is nothing to validate on"]
+    return []
+
+
+def registry_problems(cfg: RaygraphConfig) -> list[str]:
+    """Names that must exist in a registry; skipped for registries whose module is not present."""
+    checks = [  # (key, name, module, attribute listing the valid names (or returning them), what they are)
+        ("algorithm.advantage", cfg.algorithm.advantage, "raygraph.algos.advantages", "names",
+         "advantage estimator"),
+        ("actor.policy_loss", cfg.actor.policy_loss, "raygraph.algos.losses", "policy_loss_names",
+         "policy loss"),
+        ("actor.loss_agg", cfg.actor.loss_agg, "raygraph.algos.losses", "AGG_MODES", "loss aggregation"),
+        ("critic.loss_agg", cfg.critic.loss_agg, "raygraph.algos.losses", "AGG_MODES", "loss aggregation"),
+        ("actor.kl_loss_kind", cfg.actor.kl_loss_kind, "raygraph.algos.kl", "names", "KL estimator"),
+        ("algorithm.kl_in_reward.kind", cfg.algorithm.kl_in_reward.kind, "raygraph.algos.kl", "names",
+         "KL estimator"),
+        ("algorithm.dpo_loss", cfg.algorithm.dpo_loss, "raygraph.algos.dpo", "names", "DPO loss"),
+    ]
+    if cfg.reward.function is not None:
+        checks.append(("reward.function", cfg.reward.function, "raygraph.rewards", "names", "reward function"))
+    problems = []
+    for key, name, module, attribute, family in checks:
+        names = _registry_names(module, attribute)
+        if names is not None and name not in names:
+            problems.append(f"{key}={name!r} is not a known {family}{_did_you_mean(name, names)}; "
+                            f"valid names: {', '.join(sorted(names))}")
+    workflow_error = _workflow_problem(cfg.workflow)
+    if workflow_error:
+        problems.append(f"workflow: {workflow_error}")
+    return problems
+
+
+def _registry_names(module: str, attribute: str) -> tuple[str, ...] | None:
+    """The names listed by `module.attribute` (a tuple, or a function returning one); None if absent."""
+    try:
+        imported = importlib.import_module(module)
+    except ImportError:
+        return None
+    # The DPO module's listing function is not part of a written contract yet: skip it if absent.
+    if module == "raygraph.algos.dpo" and not hasattr(imported, attribute):
+        return None
+    names = getattr(imported, attribute)
+    return tuple(names() if callable(names) else names)
+
+
+def _workflow_problem(ref: str) -> str | None:
+    try:
+        from raygraph.workflow_loader import check_workflow_ref, workflow_names
+    except ImportError:
+        return None
+    is_path = ref.endswith(".py") or ".py:" in ref
+    if not is_path and not workflow_names():
+        return None  # no workflow is shipped in this checkout yet: nothing to check against
+    return check_workflow_ref(ref)
+
+
+def _did_you_mean(name: str, valid) -> str:
+    close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

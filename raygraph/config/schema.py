@@ -1,0 +1,342 @@
+"""The config schema: one pydantic model per concern, every key documented once here.
+
+Every model forbids unknown keys and is frozen (use `cfg.model_copy(update=...)` to derive a
+changed copy). Only single-field rules live here (types, ranges); rules that relate several
+keys live in `raygraph.config.checks`, and `raygraph.config.loading` turns both into messages.
+Relative paths are relative to the working directory of the `raygraph` command.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "RaygraphConfig", "ModelConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
+    "ActorConfig", "CriticConfig", "ReferenceConfig", "RewardConfig", "RemoteRewardConfig",
+    "AlgorithmConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
+    "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
+    "ROLES", "GROUP_ESTIMATORS", "CRITIC_ESTIMATORS", "FIXED_ESTIMATORS",
+]
+
+# Role names used by `placement.roles` and by the cluster layer.
+ROLES = ("policy", "rollout", "reference", "critic", "reward")
+# Advantage estimators that compare the samples of one prompt (need rollout.n >= 2).
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+# Advantage estimators that need a value model (the critic role).
+CRITIC_ESTIMATORS = frozenset({"gae"})
+# Shipped workflows whose file fixes the estimator (algorithm.advantage is not read); keep in
+# sync with workflows/. Other workflows use algorithm.advantage.
+FIXED_ESTIMATORS = {"ppo": "gae", "remax": "remax", "rloo": "rloo"}
+Strategy = Literal["PACK", "SPREAD", "STRICT_SPREAD"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="HF model id or local directory of the policy (and default for "
+                                  "critic/reference/tokenizer).")
+    tokenizer_path: str | None = Field(None, description="Tokenizer id or directory; null = model.path.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype for every model of the run (bfloat16 on GPUs).")
+    attn_impl: Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = Field(
+        "auto", description="Attention backend; auto = flash_attention_2 when installed on a GPU, else sdpa.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
+                                                            "(saves memory, costs ~30% time).")
+    build_tiny: bool = Field(False, description="If true and model.path does not exist, build a random tiny "
+                                                "model there (raygraph.models.tiny); for CPU demos and tests.")
+    tiny_size: Literal["tiny", "small", "25m", "100m", "500m"] = Field(
+        "tiny", description="Size preset of the tiny model built when model.build_tiny is true.")
+
+
+class ToyDataConfig(_Section):
+    n_train: int = Field(2000, ge=1, description="Training prompts to generate.")
+    n_val: int = Field(200, ge=1, description="Held-out validation prompts to generate.")
+    seed: int = Field(0, description="Seed of the toy-task generator.")
+    task_args: dict = Field(default_factory=dict, description="Extra keyword arguments for "
+                                                              "raygraph.data.toy.write_toy_dataset.")
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(description="Training parquet file(s) in the verl-compatible schema; "
+                                               "a single string is accepted.")
+    val_files: list[str] = Field(default_factory=list, description="Validation parquet file(s); empty = no "
+                                                                   "validation.")
+    format: Literal["rl", "sft", "dpo"] = Field("rl", description="Row format: rl (prompt + ground truth), "
+                                                                  "sft (prompt + response), dpo (chosen/rejected).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts drawn per training step; the step's batch is "
+                                                       "prompts_per_step x rollout.n samples.")
+    val_prompts: int | None = Field(None, ge=1, description="Use at most this many validation prompts; null = all.")
+    max_prompt_length: int = Field(256, ge=1, description="Longest prompt in tokens (after the chat template).")
+    overlong_prompt: Literal["drop", "error"] = Field(
+        "drop", description="Prompts longer than max_prompt_length: drop them (counted warning) or fail. "
+                            "Never truncated.")
+    shuffle: bool = Field(True, description="Shuffle training prompts each epoch (seeded by trainer.seed).")
+    apply_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.")
+    toy: ToyDataConfig | None = Field(None, description="If set and the data files are missing, generate the "
+                                                        "toy task into the directory of data.train_files.")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: hf (transformers generate, "
+                                                            "CPU or GPU) or vllm (GPU only).")
+    n: int = Field(4, ge=1, description="Samples per prompt (the group size of GRPO-style estimators).")
+    max_new_tokens: int = Field(16, description="Longest response in tokens.")
+    temperature: float = Field(1.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1]; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens; 0 = off.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a response "
+                                                                        "(eos always does).")
+    val_greedy: bool = Field(True, description="Validation decodes greedily with one sample per prompt.")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="vLLM: fraction of GPU memory for "
+                                                                       "weights + KV cache.")
+    micro_batch_size: int = Field(64, ge=1, description="hf engine: prompts per generate() call on one worker.")
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1: a response needs at least one token")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be >= 0 (0 means greedy decoding)")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError("must be in (0, 1]: it is the probability mass kept for sampling, so "
+                             "top_p <= 0 keeps no token and nothing can be generated")
+        return value
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after "
+                                                                            "warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
+
+
+class ActorConfig(_Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Policy optimizer.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
+    mini_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step (global, all "
+                                                                "ranks); null = the whole batch.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on one rank "
+                                                        "(gradient accumulation).")
+    policy_loss: str = Field("ppo", description="Policy loss by registry name (raygraph.algos.losses).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high "
+                                                    "(DAPO clip-higher when > clip_low).")
+    dual_clip: float = Field(3.0, description="Dual-clip constant c > 1 bounding the loss of negative-"
+                                              "advantage tokens (Ye et al. 2020).")
+    loss_agg: str = Field("token-mean", description="How token losses are reduced to one number, by name "
+                                                    "(raygraph.algos.losses.AGG_MODES).")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL(policy || reference) loss term; "
+                                                       "0 = off.")
+    kl_loss_kind: str = Field("k3", description="KL estimator of the loss term by registry name "
+                                                "(raygraph.algos.kl).")
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip(cls, value: float) -> float:
+        if value <= 1:
+            raise ValueError("must be greater than 1: the dual-clip bound is c x advantage, and c <= 1 "
+                             "would clip below the ordinary PPO clip")
+        return value
+
+
+class CriticConfig(_Section):
+    model_path: str | None = Field(None, description="Value model initialisation; null = model.path.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimizer.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the critic's global gradient norm to this value.")
+    ppo_epochs: int = Field(1, ge=1, description="Critic passes over each step's batch.")
+    mini_batch_size: int | None = Field(None, ge=1, description="Samples per critic optimizer step; null = "
+                                                                "the whole batch.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per critic forward/backward on one rank.")
+    value_clip: float = Field(0.5, gt=0, description="Clip new values to old values +- value_clip.")
+    loss_agg: str = Field("token-mean", description="How token value losses are reduced, by name "
+                                                    "(raygraph.algos.losses.AGG_MODES).")
+
+
+class ReferenceConfig(_Section):
+    enabled: bool | None = Field(None, description="Run a frozen reference model; null = only when a KL "
+                                                   "term is used.")
+
+
+class RemoteRewardConfig(_Section):
+    url: str = Field(description="HTTP endpoint that scores a batch of responses.")
+    timeout_s: float = Field(30.0, gt=0, description="Timeout of one request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a failed request.")
+    backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubled on each retry.")
+    auth_env: str | None = Field(None, description="Environment variable holding a bearer token, if any.")
+
+
+class RewardConfig(_Section):
+    kind: Literal["rule", "model", "remote"] = Field("rule", description="rule functions, a reward model, or "
+                                                                         "a remote service.")
+    function: str | None = Field(None, description="rule: reward function by registry name "
+                                                   "(raygraph.rewards); null = chosen by each row's data_source.")
+    model_path: str | None = Field(None, description="model: the sequence-classification reward model.")
+    remote: RemoteRewardConfig | None = Field(None, description="remote: the scoring service.")
+
+
+class KLInRewardConfig(_Section):
+    coef: float = Field(0.0, ge=0, description="Initial weight of the KL penalty subtracted from rewards; 0 = off.")
+    kind: str = Field("k1", description="KL estimator by registry name (raygraph.algos.kl).")
+    controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep coef fixed or adapt it "
+                                                                          "towards target_kl (Ziegler et al. 2019).")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: KL per sequence the controller aims for.")
+    horizon: int = Field(10000, ge=1, description="adaptive: samples over which coef adapts.")
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = Field("grpo", description="Advantage estimator by registry name "
+                                               "(raygraph.algos.advantages).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    norm_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
+    kl_in_reward: KLInRewardConfig = Field(default_factory=KLInRewardConfig,
+                                           description="KL penalty folded into the reward.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature beta.")
+    dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name.")
+
+
+class PoolConfig(_Section):
+    bundles: int = Field(ge=1, description="Bundles (one per worker) in this placement group.")
+    cpus_per_bundle: float = Field(1.0, ge=0, description="CPUs in each bundle.")
+    gpus_per_bundle: float = Field(0.0, ge=0, description="GPUs in each bundle.")
+    strategy: Strategy = Field("PACK", description="Ray placement strategy across nodes.")
+
+
+class PlacementConfig(_Section):
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: every role shares the same devices, one rank per bundle; "
+                                 "disaggregated: training and rollout run on separate devices.")
+    train_workers: int = Field(1, ge=1, description="Data-parallel ranks of policy, critic and reference.")
+    rollout_workers: int = Field(1, ge=1, description="Rollout engine replicas.")
+    cpus_per_worker: float = Field(1.0, ge=0, description="CPUs per worker bundle (derived pools).")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker bundle (derived pools); 0 = CPU.")
+    strategy: Strategy = Field("PACK", description="Ray placement strategy of the derived pools.")
+    pools: dict[str, PoolConfig] | None = Field(None, description="Explicit resource pools by name; null = "
+                                                                  "derived from mode and the counts above.")
+    roles: dict[str, str] = Field(default_factory=dict, description="Role -> pool name; required for "
+                                                                    "every active role when pools is set.")
+    placement_timeout_s: float = Field(60.0, gt=0, description="Give up if placement groups are not "
+                                                               "ready in time.")
+    weight_sync_timeout_s: float = Field(60.0, gt=0, description="Give up on a weight sync after this long.")
+    weight_bucket_mb: int = Field(64, ge=1, description="Size of one weight-sync bucket.")
+    max_staleness: int = Field(0, ge=0, description="Rollouts may lag the policy by this many versions "
+                                                    "(async pipelining); 0 = synchronous.")
+
+
+class WarmStartConfig(_Section):
+    steps: int = Field(ge=1, description="SFT optimizer steps before RL starts.")
+    lr: float = Field(1e-4, gt=0, description="SFT learning rate.")
+    batch_size: int = Field(8, ge=1, description="SFT samples per optimizer step.")
+    files: list[str] | None = Field(None, description="SFT data (prompt + ground-truth answer); "
+                                                      "null = data.train_files.")
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(ge=1, description="Training steps (one batch of prompts each).")
+    seed: int = Field(0, description="Seed of sampling, data order and initialisation.")
+    output_dir: str = Field("runs", description="Runs go to <output_dir>/<experiment>/<run_name>/.")
+    resume: str = Field("auto", description="auto: resume the run's latest checkpoint if any; never; "
+                                            "or a checkpoint directory.")
+    val_every: int = Field(0, ge=0, description="Validate every N steps; 0 = only at start and end.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 = only at the end.")
+    executor: Literal["compiled", "interpreted"] = Field(
+        "compiled", description="Run the workflow DAG as a Ray compiled graph or interpreted.")
+    profile: bool = Field(False, description="Record per-stage timings and a trace.")
+    ray_address: str | None = Field(None, description="Ray cluster to join; null = start a local Ray.")
+    stop_timeout_s: float = Field(60.0, gt=0, description="Grace period for actors to stop at exit.")
+    warm_start: WarmStartConfig | None = Field(None, description="Optional SFT stage before RL.")
+
+
+class LoggingConfig(_Section):
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; null = a local store "
+                                                              "under trainer.output_dir.")
+    mlflow: bool = Field(True, description="Log params and metrics to MLflow.")
+    console: Literal["auto", "bar", "lines"] = Field("auto", description="Progress bar, one line per "
+                                                                         "step, or auto (bar on a TTY).")
+    log_every: int = Field(1, ge=1, description="Print and log metrics every N steps.")
+
+
+class CheckpointConfig(_Section):
+    keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
+    save_hf: bool = Field(True, description="Also save the policy as a HF model (save_pretrained).")
+    save_optimizer: bool = Field(True, description="Save optimizer state (needed for exact resume).")
+
+
+class RaygraphConfig(_Section):
+    """A whole run. Build it with `raygraph.config.load_config` or `build_config`, which also run the
+    cross-field and registry checks that constructing this model alone does not."""
+
+    experiment: str = Field("raygraph", description="Experiment name (MLflow experiment, run directory).")
+    run_name: str | None = Field(None, description="Run name; null = a timestamp.")
+    workflow: str = Field("grpo", description="Workflow by registry name (workflows/<name>.py) or path "
+                                              "(my_algo.py:build).")
+    model: ModelConfig = Field(description="Policy model and how to load it.")
+    data: DataConfig = Field(description="Datasets and prompt handling.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Response generation.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy training.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (used by "
+                                                                          "critic-based estimators).")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="Reference model.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward computation.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages and KL.")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Resources and pools.")
+    trainer: TrainerConfig = Field(description="The training loop.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples in one step's batch: data.prompts_per_step x rollout.n."""
+        return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def advantage_estimator(self) -> str:
+        """The estimator in effect: fixed by some shipped workflows, else algorithm.advantage."""
+        return FIXED_ESTIMATORS.get(self.workflow, self.algorithm.advantage)
+
+    @property
+    def uses_critic(self) -> bool:
+        """True when the advantage estimator needs a value model."""
+        return self.advantage_estimator in CRITIC_ESTIMATORS
+
+    @property
+    def uses_kl(self) -> bool:
+        """True when a KL term (loss or reward penalty) is active."""
+        return self.actor.kl_loss_coef > 0 or self.algorithm.kl_in_reward.coef > 0
+
+    @property
+    def uses_reference(self) -> bool:
+        """reference.enabled, resolved: auto = on when a KL term is used."""
+        if self.reference.enabled is not None:
+            return self.reference.enabled
+        return self.uses_kl

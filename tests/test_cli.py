@@ -1,0 +1,139 @@
+"""The `raygraph` command line: validate, check-env, data, train, and their exit codes."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raygraph import check_env as check_env_module
+from raygraph.cli import _optional_module, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = str(ROOT / "configs" / "grpo_toy.yaml")
+
+# Runs `raygraph validate` in a fresh interpreter and fails if Ray was imported on the way.
+VALIDATE_WITHOUT_RAY = """
+import sys
+from raygraph.cli import main
+code = main(["validate", *sys.argv[1:]])
+assert "ray" not in sys.modules, "raygraph validate imported ray"
+sys.exit(code)
+"""
+
+
+def _validate_subprocess(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", VALIDATE_WITHOUT_RAY, *args], capture_output=True,
+                            text=True, cwd=ROOT, timeout=60)
+    return result, time.monotonic() - start
+
+
+def test_validate_ok_prints_resolved_config_without_ray():
+    result, seconds = _validate_subprocess(TOY, "rollout.n=8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("config OK\n")
+    resolved = yaml.safe_load(result.stdout.removesuffix("config OK\n"))
+    assert resolved["rollout"]["n"] == 8 and resolved["trainer"]["resume"] == "never"
+    assert seconds < 20, f"validate took {seconds:.1f} s"
+
+
+def test_validate_misspelled_key_exits_2_with_path_and_suggestion(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(TOY).read_text().replace("  n: 4\n", "  n: 4\n  temprature: 0.7\n"))
+    result, seconds = _validate_subprocess(str(bad), "actor.lr=1e-5")
+    assert result.returncode == 2
+    assert "rollout.temprature is not a field; did you mean rollout.temperature?" in result.stderr
+    assert "override actor.lr=1e-5: actor.lr is not a field; did you mean actor.optim.lr?" in result.stderr
+    assert "config OK" not in result.stdout
+    assert seconds < 20, f"validate took {seconds:.1f} s"
+
+
+def test_validate_in_process(capsys):
+    assert main(["validate", TOY]) == 0
+    assert capsys.readouterr().out.endswith("config OK\n")
+    assert main(["validate", TOY, "rollout.n=1", "rollout.top_p=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"2 config problems in {TOY}:")
+
+
+def test_help_documents_exit_codes(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0  success", "1  check-env found problems", "2  invalid config", "3  the command is not available"):
+        assert line in out
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["trian", TOY])
+    assert info.value.code == 2
+
+
+def test_check_env_runs_and_prints_a_verdict():
+    result = subprocess.run([sys.executable, "-m", "raygraph.cli", "check-env"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert result.returncode in (0, 1), result.stderr
+    last = [line for line in result.stdout.splitlines() if line.startswith("verdict: ")]
+    assert last and (last[0] == "verdict: OK" or last[0].startswith("verdict: PROBLEMS ("))
+    assert (result.returncode == 0) == (last[0] == "verdict: OK")
+    for name in ("python", "torch", "ray", "transformers", "pyarrow", "mlflow", "pydantic", "vllm", "flash-attn"):
+        assert f"  {name} " in result.stdout
+    assert "older releases leak KV-cache memory under RL weight reloading" in result.stdout
+
+
+def test_check_env_counts_problems(monkeypatch):
+    R = check_env_module.Requirement
+    monkeypatch.setattr(check_env_module, "REQUIREMENTS", (
+        R("pytest", "999", "needs the future"),                           # installed but too old
+        R("no-such-package-raygraph", "1", "a required package"),         # missing
+        R("no-such-gpu-package-raygraph", "1", "GPU only", gpu_only=True),  # missing but optional
+    ))
+    out = io.StringIO()
+    assert check_env_module.check_env(out=out) == 1
+    text = out.getvalue()
+    assert "verdict: PROBLEMS (2)" in text
+    assert "pytest" in text and "is older than 999: needs the future" in text
+    assert "no-such-package-raygraph is not installed (need >= 1: a required package)" in text
+    assert "no-such-gpu-package-raygraph is not installed" not in text
+
+
+def test_optional_module_reports_unwritten_modules(capsys):
+    assert _optional_module("raygraph.no_such_module", "raygraph thing", "the thing") is None
+    assert capsys.readouterr().err == "raygraph thing is not available yet: the thing is not implemented\n"
+    assert _optional_module("raygraph.config", "x", "y") is not None
+
+
+def test_train_checks_the_config_before_anything(capsys):
+    assert main(["train", TOY, "actor.lr=1"]) == 2
+    assert "did you mean actor.optim.lr?" in capsys.readouterr().err
+
+
+def test_train_not_available_without_the_trainer(monkeypatch, capsys):
+    # Pretend the trainer module is absent, whatever this checkout holds.
+    monkeypatch.setitem(sys.modules, "raygraph.trainer", None)
+    assert main(["train", TOY]) == 3
+    assert "raygraph train is not available yet: the trainer is not implemented" in capsys.readouterr().err
+
+
+def test_data_toy(tmp_path, capsys):
+    code = main(["data", "toy", "--out", str(tmp_path), "--n-train", "8", "--n-val", "4", "--seed", "1"])
+    if importlib.util.find_spec("raygraph.data") is None:
+        assert code == 3
+        return
+    assert code == 0
+    written = sorted(p.name for p in tmp_path.glob("*.parquet"))
+    assert len(written) == 2, written
+
+
+def test_data_gsm8k_missing_input(tmp_path, capsys):
+    assert main(["data", "gsm8k", "--input", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err

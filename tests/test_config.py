@@ -1,0 +1,383 @@
+"""The config: strict schema, did-you-mean on typos, overrides, cross-field and registry checks."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+from raygraph.config import (
+    ConfigError,
+    RaygraphConfig,
+    apply_overrides,
+    build_config,
+    load_config,
+    to_yaml,
+)
+from raygraph.config import schema as schema_module
+from raygraph.config.checks import _registry_names
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(glob.glob(str(ROOT / "configs" / "*.yaml")))
+MINIMAL = {"model": {"path": "m"}, "data": {"train_files": "t.parquet"}, "trainer": {"total_steps": 1}}
+
+
+def problems(data: dict = MINIMAL, overrides: tuple[str, ...] = ()) -> list[str]:
+    """The problems of `data` + `overrides` ([] when the config is valid)."""
+    try:
+        build_config(data, overrides)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def with_(**sections) -> dict:
+    """MINIMAL with extra top-level sections (shallow)."""
+    return {**MINIMAL, **sections}
+
+
+# ---- shipped configs and the schema itself ----------------------------------------------------
+
+def test_configs_are_shipped():
+    names = {Path(p).name for p in SHIPPED}
+    assert {"grpo_toy.yaml", "qwen2.5-0.5b_gsm8k_1gpu.yaml", "qwen2.5-0.5b_gsm8k_8gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: Path(p).name)
+def test_every_shipped_config_is_valid_and_round_trips(path):
+    cfg = load_config(path)
+    assert build_config(yaml.safe_load(to_yaml(cfg))) == cfg
+
+
+def test_contract_key_spellings():
+    cfg = load_config(ROOT / "configs" / "grpo_toy.yaml")
+    for dotted in ("model.path", "data.train_files", "data.val_files", "data.prompts_per_step", "rollout.n",
+                   "rollout.max_new_tokens", "rollout.temperature", "placement.mode", "trainer.total_steps",
+                   "trainer.seed", "trainer.output_dir", "trainer.resume", "logging.mlflow_tracking_uri"):
+        node = cfg
+        for key in dotted.split("."):
+            node = getattr(node, key)
+    assert cfg.samples_per_step == 16
+    assert cfg.data.train_files == ["runs/data/toy/train.parquet"]  # a single string became a list
+
+
+def _models():
+    return [obj for obj in vars(schema_module).values()
+            if isinstance(obj, type) and issubclass(obj, pydantic.BaseModel) and obj.__module__ == schema_module.__name__
+            and not obj.__name__.startswith("_")]
+
+
+def test_every_field_is_documented_and_every_model_strict():
+    assert len(_models()) >= 18
+    for model in _models():
+        assert model.model_config.get("extra") == "forbid", model.__name__
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_config_is_frozen():
+    cfg = build_config(MINIMAL)
+    with pytest.raises(pydantic.ValidationError):
+        cfg.rollout.n = 8
+    assert cfg.model_copy(update={"run_name": "x"}).run_name == "x"
+
+
+def test_attention_backends_match_the_loader():
+    loading = pytest.importorskip("raygraph.models.loading")
+    allowed = schema_module.ModelConfig.model_fields["attn_impl"].annotation.__args__
+    assert set(allowed) == set(loading.ATTN_IMPLS)
+
+
+def test_tiny_sizes_match_the_factory():
+    tiny = pytest.importorskip("raygraph.models.tiny")
+    allowed = schema_module.ModelConfig.model_fields["tiny_size"].annotation.__args__
+    assert set(allowed) == set(tiny.TINY_SIZES)
+
+
+# ---- unknown keys: full dotted path and the closest key anywhere in the schema ----------------
+
+@pytest.mark.parametrize("data, message", [
+    (with_(rolout={"n": 2}), "rolout is not a field; did you mean rollout?"),
+    (with_(temperature=0.5), "temperature is not a field; did you mean rollout.temperature?"),
+    (with_(actor={"lr": 1e-5}), "actor.lr is not a field; did you mean actor.optim.lr?"),
+    (with_(rollout={"temprature": 0.5}), "rollout.temprature is not a field; did you mean rollout.temperature?"),
+    (with_(model={"path": "m", "temperature": 1}), "model.temperature is not a field; did you mean rollout.temperature?"),
+    (with_(actor={"optim": {"learning_rate": 1e-5}}),
+     "actor.optim.learning_rate is not a field; did you mean actor.optim.lr?"),
+    (with_(placement={"pools": {"gpu": {"bundles": 1, "gpus_per_bundel": 1}}, "roles": {"policy": "gpu",
+                                                                                        "rollout": "gpu",
+                                                                                        "reward": "gpu"}}),
+     "placement.pools.gpu.gpus_per_bundel is not a field; did you mean placement.pools.gpu.gpus_per_bundle?"),
+    (with_(model={"path": "m", "model_name": "x"}), "model.model_name is not a field; did you mean model.path?"),
+    (with_(trainer={"total_steps": 1, "warm_start": {"steps": 1, "bach_size": 4}}),
+     "trainer.warm_start.bach_size is not a field; did you mean trainer.warm_start.batch_size?"),
+    (with_(rollout={"xyz": 1}), "rollout.xyz is not a field; valid keys in rollout: engine, n, max_new_tokens, "
+                                "temperature, top_p, top_k, stop_token_ids, val_greedy, gpu_memory_utilization, "
+                                "micro_batch_size"),
+])
+def test_unknown_key_names_dotted_path_and_closest_key(data, message):
+    assert problems(data) == [message]
+
+
+def test_short_keys_get_suggestions_too():
+    assert problems(with_(rollout={"nn": 2})) == ["rollout.nn is not a field; did you mean rollout.n?"]
+
+
+def test_all_problems_are_reported_at_once():
+    data = {"model": {"path": "m", "dtype": "bf16"},
+            "data": {"train_files": "t.parquet", "prompts_per_step": 3},
+            "rollout": {"top_p": 0, "temprature": 0.5},
+            "actor": {"lr": 1e-5, "dual_clip": 1.0},
+            "placement": {"mode": "disaggregated", "train_workers": 2, "rollout_workers": 2},
+            "trainer": {"total_steps": 1}}
+    found = problems(data, ("rollout.n=abc", "actor.optim.lrr=1", "nonsense"))
+    expected_starts = [
+        "override actor.optim.lrr=1: actor.optim.lrr is not a field; did you mean actor.optim.lr?",
+        "override 'nonsense' is not of the form key.path=value",
+        "model.dtype='bf16': input should be 'float32', 'bfloat16' or 'float16'",
+        "rollout.n='abc': input should be a valid integer",
+        "rollout.top_p=0: must be in (0, 1]",
+        "rollout.temprature is not a field; did you mean rollout.temperature?",
+        "actor.dual_clip=1.0: must be greater than 1",
+        "actor.lr is not a field; did you mean actor.optim.lr?",
+        # cross-field checks still run on the rest of the config
+        "data.prompts_per_step=3 cannot be split evenly over placement.rollout_workers=2",
+        "data.prompts_per_step=3 cannot be split evenly over placement.train_workers=2",
+    ]
+    assert len(found) == len(expected_starts), found
+    for line, start in zip(found, expected_starts):
+        assert line.startswith(start), (line, start)
+    assert found[3].endswith("(from override rollout.n=abc)")
+
+
+def test_problems_about_dropped_values_are_not_reported_twice():
+    # rollout.n is invalid, so checks that involve rollout.n would only see the default: left out.
+    found = problems(MINIMAL, ("rollout.n=abc", "actor.mini_batch_size=6"))
+    assert len(found) == 1 and found[0].startswith("rollout.n='abc'")
+
+
+def test_config_error_text_lists_every_problem(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(with_(actor={"lr": 1}, rollout={"nn": 1})))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert text.startswith(f"2 config problems in {path}:")
+    assert "  - actor.lr is not a field; did you mean actor.optim.lr?" in text
+    assert "  - rollout.nn is not a field; did you mean rollout.n?" in text
+    assert len(text.splitlines()) == 3
+
+
+# ---- YAML files -------------------------------------------------------------------------------
+
+def test_yaml_file_problems(tmp_path):
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(missing)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(ConfigError, match="mapping of sections at the top level"):
+        load_config(scalar)
+
+
+def test_duplicate_yaml_keys_are_problems(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("model: {path: m}\ndata: {train_files: t.parquet}\ntrainer: {total_steps: 1}\n"
+                    "rollout:\n  n: 2\n  n: 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [f"{path} line 6: key 'n' appears twice in the same section "
+                                   "(the later value would silently win)"]
+
+
+def test_missing_required_keys_and_non_section_values():
+    found = problems({"data": {"train_files": "t"}, "trainer": {}, "actor": 3})
+    assert found == ["model is required but missing", "actor must be a section (a mapping of keys), got 3",
+                     "trainer.total_steps is required but missing"]
+
+
+# ---- overrides --------------------------------------------------------------------------------
+
+def test_overrides_parse_values_as_yaml():
+    cfg = build_config(MINIMAL, ["rollout.n=8", "actor.optim.lr=3e-6", "data.train_files=[a.parquet,b.parquet]",
+                                 "run_name=null", "placement.roles={}", "trainer.resume=never",
+                                 "rollout.stop_token_ids=[1, 2]", "actor.optim.betas=[0.9, 0.95]"])
+    assert cfg.rollout.n == 8 and cfg.actor.optim.lr == 3e-6
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.run_name is None and cfg.trainer.resume == "never"
+    assert build_config(MINIMAL, ["data.toy.n_train=5"]).data.toy.n_train == 5  # sections are created
+    assert cfg.rollout.stop_token_ids == [1, 2] and cfg.actor.optim.betas == (0.9, 0.95)
+
+
+def test_apply_overrides_returns_a_copy():
+    data = {"rollout": {"n": 2}}
+    assert apply_overrides(data, ["rollout.n=4", "placement.roles.rollout=gpu"]) == {
+        "rollout": {"n": 4}, "placement": {"roles": {"rollout": "gpu"}}}
+    assert data == {"rollout": {"n": 2}}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.lr=1e-5", "override actor.lr=1e-5: actor.lr is not a field; did you mean actor.optim.lr?"),
+    ("rolout.n=3", "override rolout.n=3: rolout is not a field; did you mean rollout?"),
+    ("rollout.n", "override 'rollout.n' is not of the form key.path=value (e.g. rollout.n=8)"),
+    ("rollout..n=3", "override 'rollout..n=3' is not of the form key.path=value (e.g. rollout.n=8)"),
+])
+def test_bad_override_paths(override, message):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(MINIMAL, [override])
+    assert info.value.problems == [message]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.n=abc", "rollout.n='abc': input should be a valid integer, unable to parse string as an integer "
+                      "(from override rollout.n=abc)"),
+    ("rollout.n=2.5", "rollout.n=2.5: input should be a valid integer, got a number with a fractional part "
+                      "(from override rollout.n=2.5)"),
+    ("model.path=[a, b]", "model.path=['a', 'b']: input should be a valid string (from override model.path=[a, b])"),
+    ("rollout.engine=vlm", "rollout.engine='vlm': input should be 'hf' or 'vllm' (from override rollout.engine=vlm)"),
+    ("rollout.n.x=1", "rollout.n={'x': 1}: input should be a valid integer (from override rollout.n.x=1)"),
+])
+def test_override_values_are_type_checked(override, message):
+    assert problems(MINIMAL, (override,)) == [message]
+
+
+def test_override_through_a_value_is_rejected():
+    data = with_(rollout={"n": 4})
+    assert problems(data, ("rollout.n.x=1",)) == ["override rollout.n.x=1: rollout.n is a value, not a section"]
+
+
+# ---- cross-field checks, one by one -----------------------------------------------------------
+
+DISAGG = "placement.mode=disaggregated"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ((DISAGG, "placement.rollout_workers=3"),
+     "data.prompts_per_step=8 cannot be split evenly over placement.rollout_workers=3 rollout workers"),
+    ((DISAGG, "placement.train_workers=3"),
+     "data.prompts_per_step=8 cannot be split evenly over placement.train_workers=3 training ranks"),
+    (("actor.mini_batch_size=12",),
+     "actor.mini_batch_size=12 does not divide the batch of data.prompts_per_step x rollout.n = 8 x 4 = 32 samples"),
+    (("actor.mini_batch_size=2",),
+     "actor.mini_batch_size=2 is not a multiple of rollout.n=4: each optimizer step must see whole groups"),
+    ((DISAGG, "placement.train_workers=8", "actor.mini_batch_size=4"),
+     "actor.mini_batch_size=4 is not a multiple of placement.train_workers=8"),
+    (("workflow=ppo", "critic.mini_batch_size=12"), "critic.mini_batch_size=12 does not divide the batch"),
+    (("rollout.n=1",), "the 'grpo' advantage estimator compares the samples of each prompt with each other, "
+                       "so rollout.n must be at least 2 (got 1)"),
+    (("workflow=rloo", "rollout.n=1"), "the 'rloo' advantage estimator compares"),
+    (("rollout.temperature=0",), "rollout.temperature=0 is greedy decoding: all rollout.n=4 samples"),
+    (("workflow=remax", "rollout.temperature=0", "rollout.top_p=0"), "rollout.top_p=0: must be in (0, 1]"),
+    (("rollout.top_p=1.5",), "rollout.top_p=1.5: must be in (0, 1]"),
+    (("rollout.max_new_tokens=0",), "rollout.max_new_tokens=0: must be at least 1"),
+    (("rollout.temperature=-1",), "rollout.temperature=-1: must be >= 0"),
+    (("actor.dual_clip=1",), "actor.dual_clip=1: must be greater than 1"),
+    (("reward.kind=model",), "reward.kind='model' needs reward.model_path"),
+    (("reward.kind=remote",), "reward.kind='remote' needs reward.remote.url"),
+    (("placement.max_staleness=1",), "placement.max_staleness=1 needs placement.mode=disaggregated"),
+    (("placement.rollout_workers=2",), "placement.mode=colocated runs one rollout engine beside each training "
+                                       "rank, so placement.rollout_workers (2) must equal placement.train_workers (1)"),
+    (("rollout.engine=vllm",), "rollout.engine='vllm' runs on GPUs only"),
+    (("actor.kl_loss_coef=0.1", "reference.enabled=false"), "a KL term is on"),
+    (("algorithm.kl_in_reward.controller=adaptive",), "algorithm.kl_in_reward.controller='adaptive' scales"),
+    (("data.toy={}", "data.train_files=[a/t.parquet, a/u.parquet]"), "data.toy writes one train and one validation"),
+    (("data.toy={}", "data.val_files=b/v.parquet"), "data.toy writes its files into one directory"),
+    (("trainer.val_every=5",), "trainer.val_every=5 but data.val_files is empty"),
+])
+def test_cross_field_check(overrides, message):
+    found = problems(MINIMAL, overrides)
+    assert len(found) == 1 and found[0].startswith(message), found
+
+
+def test_ppo_workflow_fixes_its_estimator():
+    # ppo's estimator is gae (per sample), so one sample per prompt is fine and a critic is used.
+    cfg = build_config(MINIMAL, ["workflow=ppo", "rollout.n=1"])
+    assert cfg.advantage_estimator == "gae" and cfg.uses_critic
+    assert not build_config(MINIMAL).uses_critic
+
+
+def test_reference_is_automatic():
+    assert not build_config(MINIMAL).uses_reference
+    assert build_config(MINIMAL, ["actor.kl_loss_coef=0.01"]).uses_reference
+    assert build_config(MINIMAL, ["reference.enabled=true"]).uses_reference
+
+
+POOLS = ["placement.mode=disaggregated", "placement.train_workers=2", "placement.rollout_workers=2",
+         "placement.pools={train: {bundles: 2, gpus_per_bundle: 1}, gen: {bundles: 2, gpus_per_bundle: 1}}",
+         "placement.roles={policy: train, reward: gen, rollout: gen}"]
+
+
+def test_valid_explicit_pools_and_async():
+    cfg = build_config(MINIMAL, [*POOLS, "placement.max_staleness=1", "rollout.engine=vllm"])
+    assert cfg.placement.pools["gen"].bundles == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.roles.rollout=gpu"], "placement.roles.rollout='gpu' names no pool; pools are train, gen"),
+    (["placement.roles.rollot=gen"], "placement.roles.rollot: unknown role (did you mean 'rollout'?)"),
+    (["placement.pools.gen.bundles=1"],
+     "the rollout role needs 2 workers but pool 'gen' has only 1 bundles (placement.pools.gen.bundles)"),
+    (["actor.kl_loss_coef=0.1"], "placement.roles has no pool for the reference role"),
+    (["placement.roles.rollout=train"], "placement.mode=disaggregated but policy and rollout share pool 'train'"),
+    (["placement.pools=null"], "placement.roles is set but placement.pools is not"),
+])
+def test_explicit_pool_checks(overrides, message):
+    found = problems(MINIMAL, [*POOLS, *overrides])
+    assert any(p.startswith(message) for p in found), found
+
+
+# ---- registry names ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module, override, message", [
+    ("raygraph.algos.advantages", "algorithm.advantage=grpoo",
+     "algorithm.advantage='grpoo' is not a known advantage estimator (did you mean 'grpo'?); valid names: "),
+    ("raygraph.algos.losses", "actor.policy_loss=ppoo",
+     "actor.policy_loss='ppoo' is not a known policy loss (did you mean 'ppo'?); valid names: "),
+    ("raygraph.algos.losses", "actor.loss_agg=token_mean",
+     "actor.loss_agg='token_mean' is not a known loss aggregation (did you mean 'token-mean'?); valid names: "),
+    ("raygraph.algos.kl", "actor.kl_loss_kind=k9", "actor.kl_loss_kind='k9' is not a known KL estimator"),
+    ("raygraph.algos.kl", "algorithm.kl_in_reward.kind=k9",
+     "algorithm.kl_in_reward.kind='k9' is not a known KL estimator"),
+    ("raygraph.rewards", "reward.function=no_such_reward", "reward.function='no_such_reward' is not a known reward "
+                                                           "function"),
+])
+def test_registry_names_are_checked(module, override, message):
+    pytest.importorskip(module)
+    found = problems(MINIMAL, (override,))
+    assert len(found) == 1 and found[0].startswith(message), found
+    assert "valid names: " in found[0]
+
+
+def test_workflow_reference_is_checked(tmp_path):
+    loader = pytest.importorskip("raygraph.workflow_loader")
+    assert problems(MINIMAL, ("workflow=no_such_file.py:build",)) == [
+        "workflow: workflow file 'no_such_file.py' does not exist"]
+    (tmp_path / "algo.py").write_text("def build(roles, cfg):\n    return None\n")
+    assert problems(MINIMAL, (f"workflow={tmp_path / 'algo.py'}:build",)) == []
+    if loader.workflow_names():
+        [message] = problems(MINIMAL, ("workflow=grpoo",))
+        assert message.startswith("workflow: unknown workflow 'grpoo'; valid names: ")
+
+
+def test_missing_registry_modules_are_skipped():
+    assert _registry_names("raygraph.no_such_module", "names") is None
+
+
+def test_registry_problems_are_collected_with_schema_problems():
+    pytest.importorskip("raygraph.algos.advantages")
+    found = problems(with_(actor={"lr": 1}), ("algorithm.advantage=nope",))
+    assert found[0] == "actor.lr is not a field; did you mean actor.optim.lr?"
+    assert found[1].startswith("algorithm.advantage='nope' is not a known advantage estimator")
+
+
+def test_default_config_is_valid():
+    cfg = build_config(MINIMAL)
+    assert isinstance(cfg, RaygraphConfig)
+    assert cfg.workflow == "grpo" and cfg.rollout.n == 4 and cfg.placement.mode == "colocated"
