@@ -1,0 +1,138 @@
+"""Builders: turn the config into resource pools and role specs (flat worker arguments).
+
+This is the only place that reads config sections to construct workers, so workers keep flat
+keyword arguments and never see the config object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raygraph.cluster import PoolSpec, RoleSpec
+
+__all__ = ["optimizer_steps_per_batch", "role_specs", "pools_for", "colocation"]
+
+
+def optimizer_steps_per_batch(cfg, section) -> int:
+    mini = section.mini_batch_size or cfg.samples_per_step
+    return section.ppo_epochs * max(1, cfg.samples_per_step // mini)
+
+
+def _per_rank(global_size: int | None, world: int) -> int | None:
+    return None if global_size is None else max(1, global_size // world)
+
+
+def _model_args(cfg) -> dict:
+    return {"model_path": cfg.model.path, "dtype": cfg.model.dtype, "attn_impl": cfg.model.attn_impl}
+
+
+def _optim_args(cfg, section) -> dict:
+    optim = section.optim
+    return {
+        "lr": optim.lr, "weight_decay": optim.weight_decay, "betas": tuple(optim.betas),
+        "warmup_steps": optim.warmup_steps, "lr_schedule": optim.schedule,
+        "min_lr_ratio": optim.min_lr_ratio, "grad_clip": section.grad_clip,
+        "total_steps": cfg.trainer.total_steps * optimizer_steps_per_batch(cfg, section),
+        "ppo_epochs": section.ppo_epochs, "micro_batch_size": section.micro_batch_size,
+        "mini_batch_size": _per_rank(section.mini_batch_size, cfg.placement.train_workers),
+    }
+
+
+def _policy_args(cfg) -> dict:
+    actor = cfg.actor
+    return {
+        **_model_args(cfg), **_optim_args(cfg, actor),
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "policy_loss": actor.policy_loss, "clip_low": actor.clip_low, "clip_high": actor.clip_high,
+        "dual_clip": actor.dual_clip, "loss_agg": actor.loss_agg, "entropy_coef": actor.entropy_coef,
+        "kl_loss_coef": actor.kl_loss_coef, "kl_loss_kind": actor.kl_loss_kind,
+        "temperature": cfg.rollout.temperature, "seed": cfg.trainer.seed,
+    }
+
+
+def _critic_args(cfg) -> dict:
+    critic = cfg.critic
+    args = {**_model_args(cfg), **_optim_args(cfg, critic), "value_clip": critic.value_clip,
+            "loss_agg": critic.loss_agg, "seed": cfg.trainer.seed}
+    args["model_path"] = critic.model_path or cfg.model.path
+    return args
+
+
+def _rollout_args(cfg) -> dict:
+    r = cfg.rollout
+    return {
+        **_model_args(cfg), "seed": cfg.trainer.seed, "n": r.n, "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+        "stop_token_ids": tuple(r.stop_token_ids), "micro_batch_size": r.micro_batch_size,
+    }
+
+
+def _reward_spec(cfg) -> tuple[type, dict]:
+    reward = cfg.reward
+    tokenizer = cfg.model.tokenizer_path or cfg.model.path
+    if reward.kind == "model":
+        from raygraph.workers.reward_model import RewardModelWorker
+
+        return RewardModelWorker, {"model_path": reward.model_path, "policy_tokenizer_path": tokenizer,
+                                   "dtype": cfg.model.dtype}
+    if reward.kind == "remote":
+        from raygraph.workers.reward_remote import RemoteRewardWorker
+
+        remote = reward.remote
+        return RemoteRewardWorker, {"url": remote.url, "tokenizer_path": tokenizer,
+                                    "timeout_s": remote.timeout_s, "max_retries": remote.max_retries,
+                                    "backoff_s": remote.backoff_s, "auth_env": remote.auth_env}
+    from raygraph.workers.reward_rule import RuleRewardWorker
+
+    return RuleRewardWorker, {"tokenizer_path": tokenizer, "function": reward.function}
+
+
+def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:
+    """RoleSpecs for the roles a workflow binds (plus the reference when a KL term is used)."""
+    from raygraph.workers.critic import CriticWorker
+    from raygraph.workers.policy import PolicyWorker
+    from raygraph.workers.reference import ReferenceWorker
+    from raygraph.workers.rollout_hf import HFRolloutWorker
+
+    colocated = cfg.placement.mode == "colocated"
+    train_world = cfg.placement.train_workers
+    rollout_world = train_world if colocated else cfg.placement.rollout_workers
+    train_pool, rollout_pool = ("main", "main") if colocated else ("train", "rollout")
+    reward_cls, reward_args = _reward_spec(cfg)
+    ref_args = {**_model_args(cfg), "micro_batch_size": cfg.actor.micro_batch_size,
+                "temperature": cfg.rollout.temperature}
+    table = {
+        "policy": RoleSpec(PolicyWorker, _policy_args(cfg), train_world, train_pool, distributed=True),
+        "critic": RoleSpec(CriticWorker, _critic_args(cfg), train_world, train_pool, distributed=True),
+        "reference": RoleSpec(ReferenceWorker, ref_args, train_world, train_pool, distributed=True),
+        "rollout": RoleSpec(HFRolloutWorker, _rollout_args(cfg), rollout_world, rollout_pool),
+        "reward": RoleSpec(reward_cls, reward_args, rollout_world, rollout_pool),
+    }
+    wanted = set(role_names) | ({"reference"} if cfg.uses_reference else set())
+    unknown = wanted - set(table)
+    if unknown:
+        raise ValueError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(table)}")
+    mapping = cfg.placement.roles if cfg.placement.pools else {}
+    return {name: dataclasses.replace(spec, pool=mapping.get(name, spec.pool))
+            for name, spec in table.items() if name in wanted}
+
+
+def pools_for(cfg) -> dict[str, PoolSpec]:
+    """Resource pools: one shared pool when colocated, train + rollout pools when disaggregated."""
+    p = cfg.placement
+    if p.pools:
+        return {name: PoolSpec(pool.bundles, pool.cpus_per_bundle, pool.gpus_per_bundle, pool.strategy)
+                for name, pool in p.pools.items()}
+    if p.mode == "colocated":
+        return {"main": PoolSpec(p.train_workers, p.cpus_per_worker, p.gpus_per_worker, p.strategy)}
+    return {"train": PoolSpec(p.train_workers, p.cpus_per_worker, p.gpus_per_worker, p.strategy),
+            "rollout": PoolSpec(p.rollout_workers, p.cpus_per_worker, p.gpus_per_worker, p.strategy)}
+
+
+def colocation(cfg, specs: dict[str, RoleSpec]) -> list[tuple[str, ...]]:
+    """Which roles share one actor process per rank."""
+    if cfg.placement.mode == "colocated":
+        groups = [("policy", "rollout", "reference", "critic", "reward")]
+    else:
+        groups = [("policy", "reference", "critic"), ("rollout", "reward")]
+    return [g for g in (tuple(r for r in group if r in specs) for group in groups) if len(g) > 1]

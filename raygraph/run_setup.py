@@ -1,0 +1,92 @@
+"""Before the first step: the run directory, local assets, and the Ray connection."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets"]
+
+log = logging.getLogger("raygraph")
+
+# What every actor process of a run gets in its environment.
+ACTOR_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
+
+@dataclass
+class RunContext:
+    cfg: object
+    run_dir: Path
+    run_name: str
+    mlflow_uri: str
+    resolved: dict
+
+    @property
+    def ray_name(self) -> str:
+        """Prefix of actor and placement-group names: `<experiment>/<run>`."""
+        return f"{self.cfg.experiment}/{self.run_name}"
+
+
+def ensure_assets(cfg) -> None:
+    """Build the tiny model and write toy data when the config asks for them and they are missing."""
+    model_path = Path(cfg.model.path)
+    if cfg.model.build_tiny and not (model_path / "config.json").is_file():
+        from raygraph.models.tiny import build_tiny_lm
+
+        log.info("building tiny model (%s) at %s", cfg.model.tiny_size, model_path)
+        build_tiny_lm(model_path, size=cfg.model.tiny_size, seed=cfg.trainer.seed)
+    toy = cfg.data.toy
+    files = [*cfg.data.train_files, *cfg.data.val_files]
+    if toy is not None and not all(Path(f).is_file() for f in files):
+        from raygraph.data.toy import write_toy_dataset
+
+        out_dir = Path(cfg.data.train_files[0]).parent
+        log.info("writing toy dataset to %s", out_dir)
+        write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data files not found: {', '.join(missing)} "
+                                f"(make toy data with `raygraph data toy --out DIR`)")
+
+
+def prepare_run(cfg) -> RunContext:
+    """Create `<output_dir>/<experiment>/<run>/`, write the resolved config, build local assets."""
+    from raygraph.config import to_yaml
+
+    run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.output_dir) / cfg.experiment / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_assets(cfg)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    uri = cfg.logging.mlflow_tracking_uri
+    if uri is None:
+        uri = f"sqlite:///{(Path(cfg.trainer.output_dir) / 'mlflow.db').resolve()}"
+    return RunContext(cfg, run_dir, run_name, uri, cfg.model_dump(mode="json"))
+
+
+def start_ray(cfg, address: str | None) -> None:
+    """Join `address` / `trainer.ray_address` / `RAY_ADDRESS`, or start a local Ray instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": dict(ACTOR_ENV)}
+    if address:
+        log.info("joining Ray cluster at %s", address)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    p = cfg.placement
+    workers = p.train_workers + (p.rollout_workers if p.mode == "disaggregated" else 0)
+    # Logical CPUs may exceed physical cores so that small CPU layouts fit on a laptop.
+    num_cpus = max(os.cpu_count() or 1, int(workers * p.cpus_per_worker + 2))
+    context = ray.init(num_cpus=num_cpus, runtime_env=runtime_env, log_to_driver=True)
+    if context.dashboard_url:
+        print(f"[raygraph] Ray dashboard: http://{context.dashboard_url}", flush=True)

@@ -1,0 +1,81 @@
+"""What the driver feeds the DAG each step and how it reads the DAG's small outputs back.
+
+The driver only ever holds prompts (it read them from parquet) and metric dictionaries; the
+rollouts, scores and log-probs stay in the object store between actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raygraph import steps
+from raygraph.batch import Batch
+from raygraph.dag import InputNode, MultiOutputNode
+
+__all__ = ["StepData", "merge_outputs", "validation_dag"]
+
+
+def merge_outputs(outputs: Any) -> dict[str, float]:
+    """Flatten the DAG's outputs (dicts, or lists/tuples of dicts) into one metrics dict."""
+    merged: dict[str, float] = {}
+    if isinstance(outputs, dict):
+        outputs = [outputs]
+    for item in outputs:
+        if isinstance(item, dict):
+            merged.update(item)
+        elif isinstance(item, (list, tuple)):
+            merged.update(merge_outputs(item))
+        else:
+            raise TypeError(f"a workflow DAG must output metric dicts, got {type(item).__name__}")
+    return merged
+
+
+def validation_dag(roles):
+    """Greedy decoding of the validation prompts, scored by the reward role: `val/*` metrics."""
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts, greedy=True, n=1)
+        scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
+        return MultiOutputNode([roles.apply(steps.validation_metrics, scored)])
+
+
+@dataclass
+class StepData:
+    """Training prompts with a resumable sampler, and the validation prompts as one batch."""
+
+    train: Any
+    sampler: Any
+    val_prompts: Batch | None
+
+    @classmethod
+    def load(cls, cfg, data_format: str = "rl") -> StepData:
+        from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
+        from raygraph.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        d = cfg.data
+
+        def prompts(files):
+            return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length,
+                                 overlong=d.overlong_prompt, apply_chat_template=d.apply_chat_template)
+
+        if data_format == "rl":
+            train = prompts(d.train_files)
+        else:
+            train = load_offline_dataset(data_format, d.train_files, tokenizer,
+                                         max_prompt_length=d.max_prompt_length,
+                                         max_response_length=cfg.rollout.max_new_tokens,
+                                         apply_chat_template=d.apply_chat_template)
+        sampler = ResumableSampler(len(train), d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)
+        val = None
+        if d.val_files:
+            val_set = prompts(d.val_files)
+            n_val = min(len(val_set), d.val_prompts or len(val_set))
+            val = val_set.to_batch(list(range(n_val)))
+        return cls(train, sampler, val)
+
+    def next_prompts(self, *, step: int, kl_coef: float) -> Batch:
+        """The next training batch; per-step values for whole-batch steps travel in `meta`."""
+        batch = self.train.to_batch(self.sampler.next_indices())
+        batch.meta.update(step=step, kl_coef=kl_coef)
+        return batch

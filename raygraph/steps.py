@@ -1,0 +1,142 @@
+"""Whole-batch steps that workflows place in their DAG with `roles.apply(fn, batch, ...)`.
+
+They see the WHOLE batch (every rank's rows), so advantage normalisation is global by
+construction. Pure functions of a `Batch`: no Ray, no config objects; workflows pass the numbers.
+Per-step inputs chosen by the driver (the step number, the current KL coefficient) travel in the
+prompts batch's `meta`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raygraph.algos import advantages, kl
+from raygraph.batch import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD_BASELINES,
+    REWARD_EXTRA_PREFIX,
+    ROLLOUT_LOGPROBS,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    VALUES,
+    WEIGHT_VERSION,
+    Batch,
+)
+
+__all__ = ["compute_advantages", "rollout_metrics", "validation_metrics", "sequence_scores",
+           "attach_reward_baselines"]
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.float()
+    return float((x.float() * mask).sum() / mask.sum().clamp_min(1.0))
+
+
+def sequence_scores(batch: Batch) -> torch.Tensor:
+    """(B,) score of each row: the sum of its token-level scores."""
+    return batch[TOKEN_LEVEL_SCORES].float().sum(-1)
+
+
+def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: float = 1.0,
+                       lam: float = 1.0, eps: float = 1e-6, kl_kind: str = "k1") -> Batch:
+    """Rewards (minus the in-reward KL penalty) → advantages and returns, over the whole batch.
+
+    Args:
+        batch: rollouts with `token_level_scores`, `response_mask`, `uid` (group-based
+            estimators), `values` (GAE), `reward_baselines` (ReMax), `old_logprobs` and
+            `ref_logprobs` when a KL penalty is applied.
+        prompts: the step's input batch; `prompts.meta["kl_coef"]` (default 0) is the KL-in-reward
+            coefficient chosen by the driver's KL controller for this step.
+        estimator: a name from `raygraph.algos.advantages.names()`.
+    Returns:
+        `batch` plus `token_level_rewards`, `advantages`, `returns`; `meta["kl_in_reward"]` holds
+        the batch's mean KL (for the adaptive controller).
+    """
+    mask = batch[RESPONSE_MASK]
+    rewards = batch[TOKEN_LEVEL_SCORES].float()
+    kl_coef = float(prompts.meta.get("kl_coef", 0.0))
+    kl_mean = 0.0
+    if REF_LOGPROBS in batch and OLD_LOGPROBS in batch:
+        kl_tokens = kl.estimate(batch[OLD_LOGPROBS], batch[REF_LOGPROBS], kl_kind) * mask
+        kl_mean = _masked_mean(kl_tokens, mask)
+        if kl_coef > 0:
+            rewards = rewards - kl_coef * kl_tokens
+    adv, ret = advantages.compute(
+        estimator, token_rewards=rewards, response_mask=mask,
+        group_ids=batch[UID] if UID in batch else None,
+        values=batch[VALUES] if VALUES in batch else None,
+        reward_baselines=batch[REWARD_BASELINES] if REWARD_BASELINES in batch else None,
+        gamma=gamma, lam=lam, eps=eps,
+    )
+    out = batch.with_columns(**{TOKEN_LEVEL_REWARDS: rewards, ADVANTAGES: adv, RETURNS: ret})
+    out.meta.update(kl_in_reward=kl_mean, kl_coef=kl_coef)
+    return out
+
+
+def attach_reward_baselines(batch: Batch, baseline_batch: Batch) -> Batch:
+    """ReMax: give each sampled row the score of its prompt's greedy rollout as `reward_baselines`."""
+    greedy = dict(zip(baseline_batch[UID], sequence_scores(baseline_batch).tolist()))
+    baselines = torch.tensor([greedy[uid] for uid in batch[UID]], dtype=torch.float32)
+    return batch.with_columns(**{REWARD_BASELINES: baselines})
+
+
+def _reward_summary(batch: Batch, prefix: str) -> dict[str, float]:
+    scores = sequence_scores(batch)
+    out = {f"{prefix}/mean": float(scores.mean()), f"{prefix}/std": float(scores.std(unbiased=False))}
+    for name, column in batch.tensors.items():
+        if name.startswith(REWARD_EXTRA_PREFIX):
+            out[f"{prefix}/{name[len(REWARD_EXTRA_PREFIX):]}"] = float(column.float().mean())
+    return out
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """Per-step numbers about the batch: reward, lengths, advantage range, staleness checks."""
+    mask = batch[RESPONSE_MASK]
+    lengths = batch[RESPONSE_LENGTH].float() if RESPONSE_LENGTH in batch else mask.sum(-1).float()
+    out = _reward_summary(batch, "reward")
+    out.update({
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "rollout/tokens": float(mask.sum()),
+        "rollout/samples": float(len(batch)),
+    })
+    if ADVANTAGES in batch:
+        valid = batch[ADVANTAGES][mask.bool()]
+        out["actor/advantage_mean"] = float(valid.mean()) if valid.numel() else 0.0
+        out["actor/advantage_abs_max"] = float(valid.abs().max()) if valid.numel() else 0.0
+    if ROLLOUT_LOGPROBS in batch and OLD_LOGPROBS in batch:
+        diff = (batch[ROLLOUT_LOGPROBS] - batch[OLD_LOGPROBS]).abs() * mask
+        out["rollout/logprob_diff_max"] = float(diff.max())
+    if WEIGHT_VERSION in batch:
+        out["weights/rollout_version_min"] = float(batch[WEIGHT_VERSION].min())
+    for key in ("kl_in_reward", "kl_coef"):
+        if key in batch.meta:
+            out[f"actor/{key}"] = float(batch.meta[key])
+    return out
+
+
+def validation_metrics(batch: Batch) -> dict[str, float]:
+    """Greedy validation: `val/accuracy` (mean of the reward's `acc`, else score > 0) and reward.
+
+    Accuracy is also broken down by `data_source` when the batch mixes several.
+    """
+    acc_col = f"{REWARD_EXTRA_PREFIX}acc"
+    correct = batch[acc_col].float() if acc_col in batch else (sequence_scores(batch) > 0).float()
+    out = {"val/accuracy": float(correct.mean()), "val/samples": float(len(batch))}
+    out.update(_reward_summary(batch, "val/reward"))
+    if "data_source" in batch:
+        sources = np.asarray(batch["data_source"])
+        if len(set(sources)) > 1:
+            for source in sorted(set(sources)):
+                rows = torch.as_tensor(sources == source)
+                out[f"val/accuracy@{source}"] = float(correct[rows].mean())
+    return out

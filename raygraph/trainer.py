@@ -1,0 +1,183 @@
+"""The training loop: build roles and the workflow DAG once, then execute it every step.
+
+    run(cfg) ─► run dir + assets ─► Ray ─► roles ─► resume | warm start ─► DAG
+             ─► for each step: prompts → DAG → metrics → [validate] → [checkpoint]
+             ─► final checkpoint + summary
+
+Everything algorithm-specific lives in the workflow file; this loop never branches on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from raygraph import checkpoint
+from raygraph.algos.kl_control import make_kl_controller
+from raygraph.run_setup import RunContext, prepare_run, start_ray
+from raygraph.step_io import StepData, merge_outputs, validation_dag
+from raygraph.tracking import Tracker
+from raygraph.workflow_loader import load_workflow
+
+__all__ = ["run", "RunSummary"]
+
+log = logging.getLogger("raygraph")
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps_done: int
+    val_accuracy_start: float | None
+    val_accuracy_end: float | None
+    wall_s: float
+    stopped_early: bool
+
+
+class _StopFlag:
+    """SIGTERM (`ray job stop`) or Ctrl-C: finish the current step, checkpoint, exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("stop requested (signal %d): finishing this step, then checkpointing", signum)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _save(ctx: RunContext, roles, step: int, data: StepData, kl_ctl, weight_version: int) -> None:
+    state = {"sampler": data.sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
+             "weight_version": weight_version, "run_name": ctx.run_name}
+    with checkpoint.CheckpointWriter(ctx.run_dir, step, state, ctx.cfg.checkpoint.keep_last) as ckpt:
+        for name in roles.names():
+            if name in ("policy", "critic"):
+                roles[name].call("save_checkpoint", str(ckpt.path / name))
+        if ctx.cfg.checkpoint.save_hf:
+            roles.policy.call_rank0("save_pretrained", str(ckpt.path / "hf"))
+    log.info("checkpoint written: %s", ckpt.final)
+
+
+def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
+    ckpt_dir = checkpoint.resolve_resume(ctx.cfg.trainer.resume, ctx.run_dir)
+    if ckpt_dir is None:
+        return 0, 0
+    state = checkpoint.read_trainer_state(ckpt_dir)
+    for name in roles.names():
+        if name in ("policy", "critic"):
+            roles[name].call("load_checkpoint", str(ckpt_dir / name))
+    data.sampler.load_state_dict(state["sampler"])
+    kl_ctl.load_state_dict(state["kl_controller"])
+    version = int(state.get("weight_version", 0))
+    roles.sync_weights_now(version=version)
+    log.info("resumed from %s (step %d)", ckpt_dir, state["step"])
+    return int(state["step"]), version
+
+
+def _validate(ctx: RunContext, executor_cls, roles, data: StepData) -> dict[str, float]:
+    if data.val_prompts is None:
+        return {}
+    executor = executor_cls(validation_dag(roles), mode="interpreted")
+    try:
+        t0 = time.perf_counter()
+        metrics = merge_outputs(executor.run(data.val_prompts))
+        metrics["timing/validation_s"] = time.perf_counter() - t0
+        return metrics
+    finally:
+        executor.teardown()
+
+
+def run(cfg, address: str | None = None) -> RunSummary:
+    """Train with `cfg` (a validated `RaygraphConfig`); returns where the run went and how it did."""
+    from raygraph.cluster import build_roles
+    from raygraph.dag import Executor
+    from raygraph.roles_from_config import colocation, pools_for, role_specs
+
+    started = time.perf_counter()
+    ctx = prepare_run(cfg)
+    workflow = load_workflow(cfg.workflow)
+    start_ray(cfg, address)
+    data = StepData.load(cfg, workflow.data_format)
+    specs = role_specs(cfg, workflow.roles)
+    print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
+    roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=cfg.placement.mode,
+                        colocate=colocation(cfg, specs), placement_timeout_s=cfg.placement.placement_timeout_s,
+                        weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
+                        bucket_bytes=cfg.placement.weight_bucket_mb << 20)
+    tracker = executor = None
+    status, steps_done, stopped = "FAILED", 0, False
+    kl_cfg = cfg.algorithm.kl_in_reward
+    kl_ctl = make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon)
+    try:
+        start_step, version = _resume(ctx, roles, data, kl_ctl)
+        if start_step == 0 and cfg.trainer.warm_start is not None:
+            from raygraph.warm_start import run_warm_start
+
+            run_warm_start(cfg, roles, data)
+        tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
+                          mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
+                          experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
+                          console=cfg.logging.console)
+        if tracker.mlflow_run_id:
+            print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
+        executor = Executor(workflow.build(roles, cfg), mode=cfg.trainer.executor)
+        val_start = _validate(ctx, Executor, roles, data).get("val/accuracy") if start_step == 0 else None
+        if val_start is not None:
+            print(f"[raygraph] validation accuracy before training: {val_start:.3f}", flush=True)
+        val_end = val_start
+        with _StopFlag() as stop:
+            for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+                t0 = time.perf_counter()
+                prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value)
+                metrics = merge_outputs(executor.run(prompts))
+                metrics["timing/step_s"] = time.perf_counter() - t0
+                metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
+                version = int(metrics.get("weights/version", version))
+                kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)
+                last = step == cfg.trainer.total_steps or stop.requested
+                if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
+                    metrics.update(_validate(ctx, Executor, roles, data))
+                    val_end = metrics.get("val/accuracy", val_end)
+                tracker.log(step, metrics)
+                steps_done = step
+                if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                    _save(ctx, roles, step, data, kl_ctl, version)
+                if stop.requested:
+                    stopped = True
+                    break
+        status = "KILLED" if stopped else "FINISHED"
+    finally:
+        if executor is not None:
+            executor.teardown()
+        roles.shutdown()
+        if tracker is not None:
+            tracker.close(status)
+    summary = RunSummary(ctx.run_dir, steps_done, val_start, val_end, time.perf_counter() - started, stopped)
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: RunSummary) -> None:
+    def fmt(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    print(f"[raygraph] {'stopped' if s.stopped_early else 'done'} after step {s.steps_done} "
+          f"in {s.wall_s:.1f}s; validation accuracy {fmt(s.val_accuracy_start)} -> {fmt(s.val_accuracy_end)}; "
+          f"run directory {s.run_dir}", flush=True)

@@ -1,0 +1,44 @@
+"""GRPO: group-relative advantages, no critic (Shao et al. 2024, DeepSeekMath).
+
+One step::
+
+    prompts ─► rollout.generate (n samples per prompt) ─┬─► reward.score
+                                                         ├─► policy.logprobs   (old_logprobs, entropy)
+                                                         └─► reference.logprobs (only with a KL term)
+    gather ─► advantages (whole batch: per-group normalisation) ─► policy.update ─► weight sync
+
+How this departs from the paper (all config, same file):
+- The advantage estimator is `algorithm.advantage`: `grpo` (paper), `dr_grpo` (no std division,
+  Liu et al. 2025), or any other outcome estimator; loss aggregation is `actor.loss_agg`
+  (`token-mean` is DAPO's choice; the paper's per-sequence mean is `seq-mean-token-mean`).
+- KL to the reference is in the loss (`actor.kl_loss_coef`, k3 by default, as in the paper) or in
+  the reward (`algorithm.kl_in_reward.coef`), or absent (no reference role is started then).
+- One policy update per batch by default (`actor.ppo_epochs`, `actor.mini_batch_size`), so the
+  clipped ratio only matters with several mini-batches or epochs.
+"""
+
+from __future__ import annotations
+
+from raygraph import steps
+from raygraph.dag import InputNode, MultiOutputNode
+
+ROLES = ("policy", "rollout", "reward")
+
+
+def build(roles, cfg, *, estimator: str | None = None):
+    """Build the per-step DAG over existing role groups; `estimator` overrides the config's."""
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        parts = [rollouts,
+                 roles.reward.bind("score", rollouts),
+                 roles.policy.bind("logprobs", rollouts)]
+        if "reference" in roles.names():
+            parts.append(roles.reference.bind("logprobs", rollouts))
+        batch = roles.apply(
+            steps.compute_advantages, roles.gather(*parts), prompts,
+            estimator=estimator or cfg.algorithm.advantage, gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
+        )
+        update = roles.policy.bind("update", batch)
+        sync = roles.sync_weights(after=update)
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, batch)])

@@ -1,0 +1,43 @@
+"""PPO with a learned critic and GAE (Schulman et al. 2017; RLHF form of Ouyang et al. 2022).
+
+One step::
+
+    prompts ─► rollout.generate ─┬─► reward.score
+                                 ├─► policy.logprobs    (old_logprobs)
+                                 ├─► critic.values      (values)
+                                 └─► reference.logprobs (with a KL term)
+    gather ─► advantages (GAE, whitened over the whole batch) ─┬─► critic.update
+                                                               └─► policy.update ─► weight sync
+
+Departures from the paper: the reward is a sequence-level score on the last response token; the
+KL penalty to the reference goes into the token reward (`algorithm.kl_in_reward.coef`, fixed or
+adaptive controller, as in Ziegler et al. 2019) or into the loss (`actor.kl_loss_coef`). Critic
+and policy updates read the same batch and do not wait for each other.
+"""
+
+from __future__ import annotations
+
+from raygraph import steps
+from raygraph.dag import InputNode, MultiOutputNode
+
+ROLES = ("policy", "rollout", "reward", "critic")
+
+
+def build(roles, cfg):
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        parts = [rollouts,
+                 roles.reward.bind("score", rollouts),
+                 roles.policy.bind("logprobs", rollouts),
+                 roles.critic.bind("values", rollouts)]
+        if "reference" in roles.names():
+            parts.append(roles.reference.bind("logprobs", rollouts))
+        batch = roles.apply(
+            steps.compute_advantages, roles.gather(*parts), prompts, estimator="gae",
+            gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, kl_kind=cfg.algorithm.kl_in_reward.kind,
+        )
+        critic_update = roles.critic.bind("update", batch)
+        policy_update = roles.policy.bind("update", batch)
+        sync = roles.sync_weights(after=policy_update)
+        return MultiOutputNode([roles.gather(policy_update), roles.gather(critic_update), sync,
+                                roles.apply(steps.rollout_metrics, batch)])

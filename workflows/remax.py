@@ -1,0 +1,39 @@
+"""ReMax (Li et al. 2024): REINFORCE whose baseline is the reward of the GREEDY response.
+
+One step::
+
+    prompts ─┬─► rollout.generate (n samples) ─┬─► reward.score, policy.logprobs, [reference]
+             └─► rollout.generate (greedy, 1) ──┴─► reward.score  (the baseline branch)
+    gather ─► attach baselines ─► advantages (return-to-go − baseline) ─► policy.update ─► sync
+
+Departures from the paper: the greedy branch runs in the same DAG step as the sampled rollouts
+(same weights, one extra generate per prompt), and the update uses the clipped surrogate
+(`actor.policy_loss`, ratio 1 on the first pass); `actor.policy_loss=reinforce` gives the paper's.
+"""
+
+from __future__ import annotations
+
+from raygraph import steps
+from raygraph.dag import InputNode, MultiOutputNode
+
+ROLES = ("policy", "rollout", "reward")
+
+
+def build(roles, cfg):
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        greedy = roles.rollout.bind("generate", prompts, greedy=True, n=1)
+        baseline = roles.gather(greedy, roles.reward.bind("score", greedy))
+        parts = [rollouts,
+                 roles.reward.bind("score", rollouts),
+                 roles.policy.bind("logprobs", rollouts)]
+        if "reference" in roles.names():
+            parts.append(roles.reference.bind("logprobs", rollouts))
+        batch = roles.apply(steps.attach_reward_baselines, roles.gather(*parts), baseline)
+        batch = roles.apply(
+            steps.compute_advantages, batch, prompts, estimator="remax", gamma=cfg.algorithm.gamma,
+            kl_kind=cfg.algorithm.kl_in_reward.kind,
+        )
+        update = roles.policy.bind("update", batch)
+        sync = roles.sync_weights(after=update)
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, batch)])
