@@ -274,5 +274,7 @@ class CollectiveTransport:
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    # Not `yield from`: closing this generator must not close `rest`, which is drained after.
     yield first
-    yield from rest
+    for item in rest:  # noqa: UP028
+        yield item

@@ -78,6 +78,13 @@ class Policy:
     def pid(self) -> int:
         return os.getpid()
 
+    def env(self) -> dict:
+        return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                               "OMP_NUM_THREADS")}
+
+    def hang(self, batch: Batch, seconds: float) -> Batch:
+        return hang(batch, seconds)
+
 
 class Rollout:
     def __init__(self, seed: int = 0, big: int = 0):
@@ -130,3 +137,15 @@ def advantages(batch: Batch, gamma: float = 1.0) -> Batch:
 def summarise(batch: Batch) -> dict:
     return {"rows": float(len(batch)), "score": float(batch[TOKEN_LEVEL_SCORES].sum()),
             "versions": sorted({int(v) for v in batch[WEIGHT_VERSION]})}
+
+
+def hang(batch: Batch, seconds: float) -> Batch:
+    time.sleep(seconds)
+    return batch
+
+
+def digest(batch: Batch) -> dict:
+    """A small, exact fingerprint of a batch (what a test may bring back to the driver)."""
+    return {"rows": len(batch), "columns": sorted(batch.columns()),
+            "responses": batch[RESPONSES].tolist(), "uids": [str(u) for u in batch[UID]],
+            "versions": batch[WEIGHT_VERSION].tolist()}

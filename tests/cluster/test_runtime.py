@@ -1,0 +1,175 @@
+"""The Ray layer with dummy workers: layouts, DAG executors, weight sync, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from raygraph.cluster import PlacementError, PoolSpec, RoleError, RoleSpec, build_roles
+from raygraph.dag import Executor, InputNode, MultiOutputNode
+
+
+def _specs(d, policy_world=2, rollout_world=2):
+    return {"policy": RoleSpec(d.Policy, {"seed": 0}, world_size=policy_world, pool="train", distributed=True),
+            "rollout": RoleSpec(d.Rollout, {"seed": 0}, world_size=rollout_world, pool="train"),
+            "reward": RoleSpec(d.Reward, {}, world_size=1, pool="train")}
+
+
+@pytest.fixture(scope="module")
+def layouts(dummies):
+    pools = {"train": PoolSpec(bundles=2, cpus_per_bundle=1.0)}
+    out = {}
+    try:
+        for mode in ("colocated", "disaggregated"):
+            out[mode] = build_roles(f"test-runtime/{mode}", pools, _specs(dummies), mode=mode,
+                                    colocate=[("policy", "rollout")], placement_timeout_s=30,
+                                    weight_sync_timeout_s=20, bucket_bytes=300)
+        yield out
+    finally:
+        for roles in out.values():
+            roles.shutdown()
+
+
+def _rl_step(roles, d):
+    """The shape of a GRPO step: generate -> score + logprobs -> gather -> apply -> update -> sync."""
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        scores = roles.reward.bind("score", rollouts)           # world 1 <- world 2: re-split
+        old = roles.policy.bind("logprobs", rollouts)
+        batch = roles.apply(d.advantages, roles.gather(rollouts, scores, old), gamma=1.0)
+        metrics = roles.policy.bind("update", batch)
+        sync = roles.sync_weights(after=metrics)
+        return MultiOutputNode([roles.gather(metrics), sync, roles.apply(d.digest, batch)])
+
+
+def _probe(roles, d, **generate_kwargs):
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts, **generate_kwargs)
+        batch = roles.gather(rollouts, roles.reward.bind("score", rollouts), roles.policy.bind("logprobs", rollouts))
+        return MultiOutputNode([roles.apply(d.digest, batch), roles.apply(d.summarise, batch)])
+
+
+def test_names_ranks_and_process_groups(layouts, dummies):
+    co, dis = layouts["colocated"], layouts["disaggregated"]
+    assert ray.get_actor("test-runtime/colocated/policy+rollout/1")
+    assert ray.get_actor("test-runtime/disaggregated/policy/1")
+    assert ray.util.get_placement_group("test-runtime/colocated/train")
+    pids = co.policy.call("pid")
+    assert pids == co.rollout.call("pid") and len(set(pids)) == 2          # fused: same processes
+    assert not set(dis.policy.call("pid")) & set(dis.rollout.call("pid"))  # separate processes
+    env = dis.policy.call("env")
+    assert [e["RANK"] for e in env] == ["0", "1"] and {e["WORLD_SIZE"] for e in env} == {"2"}
+    assert {e["OMP_NUM_THREADS"] for e in env} == {"1"}
+    assert co.policy.call_rank0("pid") == pids[0]
+
+
+def test_layouts_identical_and_sync_bit_exact(layouts, dummies):
+    """Same seed and weights -> same rollouts in both layouts; after update + sync every rollout
+    rank holds the policy's weights bit for bit and the next batch carries the new version."""
+    results = {}
+    for mode, roles in layouts.items():
+        first = roles.sync_weights_now()
+        assert first["weights/verified"] == 1.0
+        executor = Executor(_rl_step(roles, dummies))
+        metrics, sync, digest = executor.run(dummies.prompts(4, per_group=2))
+        _, sync2, digest2 = executor.run(dummies.prompts(4, per_group=2))
+        assert sync["weights/verified"] == sync2["weights/verified"] == 1.0
+        assert sync2["weights/version"] == sync["weights/version"] + 1 == first["weights/version"] + 2
+        assert set(digest["versions"]) == {first["weights/version"]}
+        assert set(digest2["versions"]) == {sync["weights/version"]}
+        assert metrics["actor/world"] == 2.0 and sync["weights/receivers"] == 2.0
+        assert sync["weights/bytes"] == sum(t.numel() * 4 for t in dummies.make_weights(0).values())
+        policy = roles.policy.call_rank0("state")
+        for state in roles.rollout.call("state"):
+            assert all(torch.equal(policy[k], state[k]) for k in policy)
+        results[mode] = (metrics, digest, digest2)
+    assert results["colocated"] == results["disaggregated"]
+
+
+def test_compiled_equals_interpreted(layouts, dummies):
+    for roles in layouts.values():
+        roles.sync_weights_now()
+        dag = _probe(roles, dummies, greedy=True)
+        big = dummies.prompts(64, per_group=4, width=256)
+        outs = {}
+        for mode in ("interpreted", "compiled"):
+            executor = Executor(dag, mode=mode)
+            try:
+                outs[mode] = executor.run(big)
+                # the batch never reaches the driver: only the small outputs come back
+                assert executor.last_driver_bytes < 20_000 < big.nbytes() < executor.last_input_bytes
+            finally:
+                executor.teardown()
+            roles.policy.call("pid")     # ordinary calls still work between and after runs
+        assert outs["interpreted"] == outs["compiled"]
+        assert outs["interpreted"][1]["rows"] == 256.0
+
+
+def test_corrupted_bucket_is_detected_not_loaded(layouts, dummies):
+    for mode, roles in layouts.items():
+        before = roles.rollout.call("state")
+        with pytest.raises(RoleError, match="failed verification.*NOT loaded") as info:
+            roles.sync_weights_now(corrupt_bucket=1)
+        assert info.value.role == "rollout", mode
+        after = roles.rollout.call("state")
+        assert all(torch.equal(a["layer.w"], b["layer.w"]) for a, b in zip(before, after))  # bucket 1
+        report = roles.sync_weights_now(corrupt_bucket=0, strict=False)
+        assert report["weights/verified"] == 0.0
+        assert roles.sync_weights_now()["weights/verified"] == 1.0   # the group is still in step
+
+
+def test_worker_exception_names_role_rank_node(layouts):
+    roles = layouts["disaggregated"]
+    with pytest.raises(RoleError) as info:
+        roles.policy.call("fail", "boom-42")
+    err = info.value
+    assert err.role == "policy" and err.rank in (0, 1) and err.node_ip and err.node_id
+    assert "boom-42" in err.remote_traceback and "_dummies.py" in err.remote_traceback
+
+
+def test_infeasible_placement_fails_within_bound(ray_local):
+    start = time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        build_roles("test-runtime/infeasible", {"big": PoolSpec(bundles=2, cpus_per_bundle=64, strategy="SPREAD")},
+                    {}, placement_timeout_s=2)
+    assert time.monotonic() - start < 10
+    msg = str(info.value)
+    assert "2 x {'CPU': 64.0} (SPREAD)" in msg and "the cluster has {CPU: 8}" in msg
+
+
+def test_killed_actor_surfaces_within_seconds(dummies):
+    """Rank 1 dies in the middle of a DAG step while rank 0 keeps running: the driver hears
+    about rank 1 within seconds, not when rank 0 finishes."""
+    pools = {"p": PoolSpec(bundles=2, cpus_per_bundle=0.5)}
+    specs = {"policy": RoleSpec(dummies.Policy, {}, world_size=2, pool="p")}
+    with build_roles("test-runtime/kill", pools, specs, mode="disaggregated") as roles:
+        with InputNode() as prompts:
+            dag = MultiOutputNode([roles.gather(roles.policy.bind("hang", prompts, seconds=60))])
+        executor = Executor(dag)
+        pid = roles.policy.call("pid")[1]
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(RoleError) as info:
+            executor.run(dummies.prompts(2))
+        assert time.monotonic() - start < 15
+        assert (info.value.role, info.value.rank) == ("policy", 1)
+        assert "died" in str(info.value)
+
+
+def test_collective_member_missing_times_out_naming_it(dummies):
+    pools = {"p": PoolSpec(bundles=3, cpus_per_bundle=0.5)}
+    specs = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p"),
+             "rollout": RoleSpec(dummies.Rollout, {}, world_size=2, pool="p")}
+    with build_roles("test-runtime/timeout", pools, specs, mode="disaggregated",
+                     weight_sync_timeout_s=2) as roles:
+        roles.rollout.actors[1].call.remote("rollout", "sleep", 8)   # rank 1 never joins in time
+        start = time.monotonic()
+        with pytest.raises(RoleError, match=r"rollout rank 1 .* did not arrive within 2s"):
+            roles.sync_weights_now()
+        assert time.monotonic() - start < 8
