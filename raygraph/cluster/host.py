@@ -102,6 +102,8 @@ class RoleHost:
                 out = self.weights_send(**step.extra)
             elif step.op == "weights_recv":
                 out = self.weights_recv(**step.extra)
+            elif step.op == "weights_drain":
+                out = self.weights_drain(**step.extra)
             else:
                 raise ValueError(f"RoleHost cannot run step op {step.op!r}")
         return (out, S.OK) if step.status else out
@@ -147,6 +149,13 @@ class RoleHost:
             v = self._next_version(group, version)
             buckets = self.workers[src].weight_buckets(bucket_bytes)
             return {"sender": self._transport(group).send(buckets, v, corrupt_bucket=corrupt_bucket)}
+
+    def weights_drain(self, src: str, bucket_bytes: int) -> dict:
+        """Non-zero sender ranks: walk the buckets too (FSDP all-gathers each tensor on every rank)."""
+        with self._guard(src, "weight_buckets"):
+            for _ in self.workers[src].weight_buckets(bucket_bytes):
+                pass
+            return {}
 
     def weights_recv(self, dst: str, group: str, strict: bool = True) -> dict:
         with self._guard(dst, "weight_recv"):

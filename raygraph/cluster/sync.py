@@ -6,6 +6,7 @@ Fused (colocated) pairs sync in-process on every fused actor; other pairs get a 
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,12 @@ def setup_weight_groups(roles: Roles, pairs: list[tuple[str, str]]) -> None:
 
 def sync_steps(roles: Roles, src: str, dst: str, *, strict: bool = True,
                corrupt_bucket: int | None = None, version: int | None = None) -> list[tuple]:
-    """The (actor, Step, site) triples of one sync; their results feed `weights_combine`."""
+    """The (actor, Step, site) triples of one sync; their results feed `weights_combine`.
+
+    Fused pairs: one in-process step per fused actor. Otherwise: `src` rank 0 sends, the other
+    `src` ranks walk their buckets too (FSDP gathers each full tensor on every rank), and every
+    `dst` rank receives.
+    """
     sender, receivers = roles.groups[src], roles.groups[dst]
     if roles.fused(src, dst):
         extra = {"src": src, "dst": dst, "bucket_bytes": roles.bucket_bytes, "strict": strict,
@@ -54,6 +60,10 @@ def sync_steps(roles: Roles, src: str, dst: str, *, strict: bool = True,
                   extra={"src": src, "group": group, "bucket_bytes": roles.bucket_bytes,
                          "corrupt_bucket": corrupt_bucket, "version": version})
     out = [(sender.actors[0], send, sender.sites[0])]
+    drain = S.Step("weights_drain", role=src, method="weight_buckets",
+                   extra={"src": src, "bucket_bytes": roles.bucket_bytes})
+    for r, (a, site) in enumerate(zip(sender.actors[1:], sender.sites[1:]), start=1):
+        out.append((a, dataclasses.replace(drain, rank=r), site))
     for r, (a, site) in enumerate(zip(receivers.actors, receivers.sites)):
         step = S.Step("weights_recv", role=dst, method="load_weights", rank=r,
                       extra={"dst": dst, "group": group, "strict": strict})

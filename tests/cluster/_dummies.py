@@ -37,8 +37,13 @@ class Policy:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     def weight_buckets(self, bucket_bytes: int = 1 << 20):
+        """Like FSDP: every rank must walk the buckets (a collective per bucket)."""
+        import torch.distributed as dist
+
         bucket, size = [], 0
         for name, t in self.w.items():
+            if dist.is_initialized():
+                dist.barrier()
             if bucket and size + t.numel() * 4 > bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
