@@ -1,0 +1,127 @@
+"""The critic (PPO): a value head over a causal-LM body, trained with the clipped value loss.
+
+`values[:, t]` is the value of the state in which response token t is chosen, read at the
+same column (`P - 1 + t`) as the policy's log-prob of that token. Precision, data parallelism
+(FSDP2), loss scaling over micro-batches and ranks, and the once-per-`update()` lr schedule
+are as in `raygraph.workers.policy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from raygraph.algos import losses
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, RETURNS, VALUES, Batch
+from raygraph.models.loading import resolve_dtype
+from raygraph.models.logprobs import sequence_inputs
+from raygraph.models.value_head import ValueModel
+from raygraph.workers import _train
+from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed, lockstep, rank
+
+__all__ = ["CriticWorker"]
+
+
+class CriticWorker:
+    """The value function of one data-parallel rank.
+
+    Args:
+        model_path: a causal-LM checkpoint (the head is initialised) or a saved critic.
+        value_clip: the clip range c of the value loss.
+        The others are as for `PolicyWorker`.
+    """
+
+    def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto",
+                 gradient_checkpointing: bool = False, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
+                 lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
+                 value_clip: float = 0.5, loss_agg: str = "token-mean", ppo_epochs: int = 1,
+                 mini_batch_size: int | None = None, micro_batch_size: int = 16, seed: int = 0,
+                 device: str | None = None) -> None:
+        if loss_agg not in losses.AGG_MODES:
+            raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
+        torch.manual_seed(seed)
+        self.device = default_device(device)
+        self.compute_dtype = resolve_dtype(dtype)
+        model = ValueModel.from_pretrained(model_path, dtype="float32", attn_impl=attn_impl,
+                                           gradient_checkpointing=gradient_checkpointing, seed=seed).to(self.device)
+        low_precision = self.compute_dtype != torch.float32
+        if is_distributed():
+            model = fsdp_wrap(model, param_dtype=self.compute_dtype if low_precision else None)
+        self._autocast = low_precision and not is_distributed()
+        self.model = model
+        self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+        self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                                lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
+        self.grad_clip, self.value_clip, self.loss_agg = grad_clip, value_clip, loss_agg
+        self.ppo_epochs, self.mini_batch_size, self.micro_batch_size = ppo_epochs, mini_batch_size, micro_batch_size
+
+    def _compute_ctx(self):
+        if self._autocast:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def _forward(self, micro: Batch) -> torch.Tensor:
+        """`(b, R)` float32 values, 0 on padded response positions."""
+        prompt_ids, responses = micro[PROMPT_IDS].to(self.device), micro[RESPONSES].to(self.device)
+        response_mask = micro[RESPONSE_MASK].to(self.device)
+        input_ids, attention_mask, position_ids = sequence_inputs(
+            prompt_ids, micro[PROMPT_MASK].to(self.device), responses, response_mask)
+        P, R = prompt_ids.shape[1], responses.shape[1]
+        with self._compute_ctx():
+            values = self.model(input_ids, attention_mask, position_ids)[:, P - 1:P - 1 + R]
+        return values * response_mask
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> Batch:
+        """`Batch[values (B, R)]`, float32 on CPU."""
+        self.model.eval()
+        columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
+        out = [self._forward(micro).cpu() for micro, is_dummy in
+               lockstep(columns.split(self.micro_batch_size), lambda: columns.select(slice(0, 1))) if not is_dummy]
+        return Batch({VALUES: torch.cat(out)})
+
+    def _value_loss(self, micro: Batch) -> _train.MicroResult:
+        values = self._forward(micro)
+        loss, stats = losses.value_loss(values=values, old_values=micro[VALUES].to(self.device),
+                                        returns=micro[RETURNS].to(self.device),
+                                        response_mask=micro[RESPONSE_MASK].to(self.device),
+                                        clip=self.value_clip, agg=self.loss_agg)
+        return _train.MicroResult(loss=loss, loss_terms={"vf_loss": loss.detach()}, token_stats=stats)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss epochs on this rank's shard (needs `values` and `returns`).
+
+        Returns:
+            `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`,
+            `critic/skipped_steps` (global over ranks).
+        """
+        needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, VALUES, RETURNS]
+        missing = [c for c in needed if c not in batch]
+        if missing:
+            raise KeyError(f"CriticWorker.update needs columns {missing}; the batch has {batch.columns()}")
+        self.model.train()
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics = _train.run_minibatches(
+            batch.select_columns(needed), model=self.model, optimizer=self.optimizer, loss_fn=self._value_loss,
+            mask_key=RESPONSE_MASK, loss_agg=self.loss_agg, epochs=self.ppo_epochs,
+            mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
+        _train.step_scheduler(self.scheduler)
+        return {f"critic/{k}": v for k, v in (metrics | {"lr": lr}).items()}
+
+    def state_dict_for_checkpoint(self) -> dict:
+        return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        _train.save_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        _train.load_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Body in HF format + `value_head.safetensors` (rank 0 writes; all ranks must call)."""
+        state = {name: t.cpu() for bucket in _train.iter_weight_buckets(self.model, 64 << 20) for name, t in bucket}
+        if rank() == 0:
+            self.model.save_pretrained(path, state_dict=state)

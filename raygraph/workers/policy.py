@@ -1,0 +1,254 @@
+"""The actor: log-probs of rollouts and the policy-gradient update, in plain PyTorch.
+
+    worker = PolicyWorker(model_path=path, lr=1e-6)
+    batch = batch.union(worker.logprobs(batch))           # + old_logprobs, entropy
+    metrics = worker.update(batch.union(advantages))      # actor/* metrics
+    rollout.load_weights(worker.weight_buckets(), version)  # streamed bucket by bucket
+
+Precision: master weights and optimizer state are float32; `dtype` is the compute dtype
+(FSDP2 mixed precision when sharded, autocast otherwise). Data parallel: when
+`torch.distributed` is initialised with world size > 1 the model is sharded with FSDP2 and each
+rank passes its own shard of the batch; losses are normalised by global token counts so that
+N ranks x 1/N of the batch gives the gradient of 1 rank x the whole batch. The lr scheduler
+advances once per `update()` call (per trainer step), not per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from raygraph.algos import kl, losses
+from raygraph.batch import (
+    ADVANTAGES,
+    ENTROPY,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    REF_LOGPROBS,
+    RESPONSE_MASK,
+    RESPONSES,
+    Batch,
+)
+from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
+from raygraph.workers import _train
+from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed, lockstep, rank
+
+__all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]
+
+log = logging.getLogger(__name__)
+
+# Columns of a supervised (SFT) batch: whole sequences, padded on either side.
+INPUT_IDS = "input_ids"            # (B, T) int64
+ATTENTION_MASK = "attention_mask"  # (B, T) int64
+LOSS_MASK = "loss_mask"            # (B, T) int64, 1 on tokens that are training targets
+
+
+class PolicyWorker:
+    """The trainable policy of one data-parallel rank. Arguments are flat (see module docstring).
+
+    Args mirror the config: optimiser (`lr`, `weight_decay`, `betas`, `warmup_steps`,
+    `total_steps`, `lr_schedule` constant|cosine|linear, `min_lr_ratio`, `grad_clip`), the PPO
+    loop (`ppo_epochs`; `mini_batch_size` rows per optimizer step on this rank, None = the
+    whole shard; `micro_batch_size` rows per forward), the loss (`policy_loss` name from
+    `raygraph.algos.losses`, `clip_low`, `clip_high`, `dual_clip`, `loss_agg`, `entropy_coef`,
+    `kl_loss_coef` with estimator `kl_loss_kind`), and `temperature` (the sampler's).
+    """
+
+    def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto",
+                 gradient_checkpointing: bool = False, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
+                 lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
+                 ppo_epochs: int = 1, mini_batch_size: int | None = None, micro_batch_size: int = 16,
+                 policy_loss: str = "ppo", clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 3.0,
+                 loss_agg: str = "token-mean", entropy_coef: float = 0.0, kl_loss_coef: float = 0.0,
+                 kl_loss_kind: str = "k3", temperature: float = 1.0, seed: int = 0,
+                 device: str | None = None) -> None:
+        if loss_agg not in losses.AGG_MODES:
+            raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
+        if policy_loss not in losses.policy_loss_names():
+            raise ValueError(f"unknown policy_loss {policy_loss!r}; valid: {', '.join(losses.policy_loss_names())}")
+        if kl_loss_kind not in kl.names():
+            raise ValueError(f"unknown kl_loss_kind {kl_loss_kind!r}; valid: {', '.join(kl.names())}")
+        torch.manual_seed(seed)
+        self.device = default_device(device)
+        self.compute_dtype = resolve_dtype(dtype)
+        self.tokenizer = load_tokenizer(model_path)
+        model = load_causal_lm(model_path, dtype="float32", attn_impl=attn_impl,
+                               gradient_checkpointing=gradient_checkpointing).to(self.device)
+        low_precision = self.compute_dtype != torch.float32
+        if is_distributed():
+            model = fsdp_wrap(model, param_dtype=self.compute_dtype if low_precision else None)
+        self._autocast = low_precision and not is_distributed()
+        self.model = model
+        self.packed = use_packed(model, None)
+        self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+        self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                                lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
+        self.grad_clip, self.ppo_epochs = grad_clip, ppo_epochs
+        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+        self.policy_loss, self.loss_agg = policy_loss, loss_agg
+        self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
+        self.entropy_coef, self.kl_loss_coef, self.kl_loss_kind = entropy_coef, kl_loss_coef, kl_loss_kind
+        self.temperature = temperature
+
+    # ------------------------------------------------------------------------------ inference
+    def _compute_ctx(self):
+        if self._autocast:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch) -> Batch:
+        """`Batch[old_logprobs (B, R), entropy (B, R)]` under the current weights (float32, CPU)."""
+        self.model.eval()
+        columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
+        logprobs, entropy = [], []
+        for micro, is_dummy in lockstep(columns.split(self.micro_batch_size), lambda: columns.select(slice(0, 1))):
+            with self._compute_ctx():
+                lp, ent = forward_response(self.model, micro, temperature=self.temperature, with_entropy=True,
+                                           packed=self.packed)
+            if not is_dummy:
+                logprobs.append(lp.float().cpu())
+                entropy.append(ent.float().cpu())
+        return Batch({OLD_LOGPROBS: torch.cat(logprobs), ENTROPY: torch.cat(entropy)})
+
+    # ------------------------------------------------------------------------------ training
+    def _ppo_loss(self, micro: Batch) -> _train.MicroResult:
+        mask = micro[RESPONSE_MASK].to(self.device)
+        with self._compute_ctx():
+            logprobs, entropy = forward_response(
+                self.model, micro, temperature=self.temperature, with_entropy=True,
+                entropy_grad=self.entropy_coef != 0.0, packed=self.packed)
+        pg_loss, stats = losses.policy_loss(
+            self.policy_loss, logprobs=logprobs, old_logprobs=micro[OLD_LOGPROBS].to(self.device),
+            advantages=micro[ADVANTAGES].to(self.device), response_mask=mask, clip_low=self.clip_low,
+            clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.loss_agg)
+        entropy_agg = losses.aggregate(entropy, mask, self.loss_agg)
+        loss = pg_loss - self.entropy_coef * entropy_agg if self.entropy_coef else pg_loss
+        terms = {"pg_loss": pg_loss.detach()}
+        if self.kl_loss_coef:
+            kl_mat = kl.estimate(logprobs, micro[REF_LOGPROBS].to(self.device), self.kl_loss_kind)
+            kl_loss = losses.aggregate(kl_mat, mask, self.loss_agg)
+            loss = loss + self.kl_loss_coef * kl_loss
+            terms["kl_loss"] = kl_loss.detach()
+        token_mean = entropy.detach().sum() / mask.sum().clamp(min=1)
+        stats = {k: stats[k] for k in ("clipfrac", "approx_kl")} | {"entropy": token_mean}
+        return _train.MicroResult(loss=loss, loss_terms=terms, token_stats=stats)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs x mini-batches x micro-batches on this rank's shard.
+
+        Needs `prompt_ids`, `prompt_mask`, `responses`, `response_mask`, `old_logprobs`,
+        `advantages` (and `ref_logprobs` when `kl_loss_coef` > 0).
+
+        Returns:
+            `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/approx_kl`,
+            `actor/entropy`, `actor/kl_loss`, `actor/lr`, `actor/skipped_steps`: means over
+            the optimizer steps of this call, global over ranks (identical on every rank).
+        """
+        needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, OLD_LOGPROBS, ADVANTAGES]
+        if self.kl_loss_coef:
+            needed.append(REF_LOGPROBS)
+        missing = [c for c in needed if c not in batch]
+        if missing:
+            raise KeyError(f"PolicyWorker.update needs columns {missing}; the batch has {batch.columns()}")
+        return self._run(batch.select_columns(needed), self._ppo_loss, RESPONSE_MASK, self.ppo_epochs,
+                         self.loss_agg, defaults={"kl_loss": 0.0})
+
+    def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,
+             defaults: dict[str, float]) -> dict[str, float]:
+        self.model.train()
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics = _train.run_minibatches(
+            batch, model=self.model, optimizer=self.optimizer, loss_fn=loss_fn, mask_key=mask_key,
+            loss_agg=agg, epochs=epochs, mini_batch_size=self.mini_batch_size,
+            micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
+        _train.step_scheduler(self.scheduler)
+        if metrics["skipped_steps"]:
+            log.warning("policy: skipped %d optimizer step(s) with a non-finite loss or gradient norm",
+                        metrics["skipped_steps"])
+        return {f"actor/{k}": v for k, v in (defaults | metrics | {"lr": lr}).items()}
+
+    def _sft_loss(self, micro: Batch) -> _train.MicroResult:
+        input_ids, attention_mask = micro[INPUT_IDS].to(self.device), micro[ATTENTION_MASK].to(self.device)
+        mask = micro[_SFT_TARGETS].to(self.device)  # (B, T - 1)
+        with self._compute_ctx():
+            logprobs = token_logprobs_of_sequence(self.model, input_ids, attention_mask)
+        nll = losses.aggregate(-logprobs, mask, "token-mean")
+        return _train.MicroResult(loss=nll, loss_terms={"sft_loss": nll.detach()}, token_stats={})
+
+    def sft_update(self, batch: Batch) -> dict[str, float]:
+        """One epoch of supervised fine-tuning: token-mean NLL of the `loss_mask` tokens.
+
+        Needs `input_ids`, `attention_mask`, `loss_mask` (B, T); `loss_mask[:, t]` = 1 makes
+        token t a target. Returns `actor/sft_loss`, `actor/grad_norm`, `actor/lr`,
+        `actor/skipped_steps`.
+        """
+        batch = batch.select_columns([INPUT_IDS, ATTENTION_MASK]).with_columns(
+            **{_SFT_TARGETS: batch[LOSS_MASK][:, 1:]})
+        return self._run(batch, self._sft_loss, _SFT_TARGETS, 1, "token-mean", defaults={})
+
+    def _dpo_loss(self, micro: Batch, beta: float, kind: str) -> _train.MicroResult:
+        mask = micro[RESPONSE_MASK].to(self.device)
+        with self._compute_ctx():
+            logprobs, _ = forward_response(self.model, micro, packed=self.packed)
+        seq = logprobs.sum(-1)  # (2b,): rows alternate chosen, rejected
+        ref = (micro[REF_LOGPROBS].to(self.device) * mask).sum(-1)
+        loss, stats = losses.dpo_loss(chosen_logps=seq[0::2], rejected_logps=seq[1::2], ref_chosen_logps=ref[0::2],
+                                      ref_rejected_logps=ref[1::2], beta=beta, kind=kind)
+        return _train.MicroResult(loss=loss, loss_terms={"dpo_loss": loss.detach(), **stats}, token_stats={})
+
+    def dpo_update(self, batch: Batch, *, beta: float = 0.1, kind: str = "sigmoid") -> dict[str, float]:
+        """One epoch of DPO on preference pairs in the rollout layout.
+
+        Rows alternate chosen, rejected (pair i = rows 2i, 2i + 1) with `prompt_ids`,
+        `prompt_mask`, `responses`, `response_mask` and `ref_logprobs` (from the reference
+        worker, at temperature 1: DPO compares plain log pi). Pairs are averaged
+        (`mini_batch_size`/`micro_batch_size` must be even).
+        Returns `actor/dpo_loss`, `actor/rewards/*`, `actor/grad_norm`, `actor/lr`.
+        """
+        if len(batch) % 2 or (self.micro_batch_size % 2) or (self.mini_batch_size or 0) % 2:
+            raise ValueError("dpo_update needs an even number of rows and even mini/micro batch sizes")
+        pairs = batch.with_columns(**{_DPO_PAIRS: torch.ones(len(batch), 1, dtype=torch.long)})
+        return self._run(pairs, lambda m: self._dpo_loss(m, beta, kind), _DPO_PAIRS, 1, "seq-mean-token-sum",
+                         defaults={})
+
+    # ------------------------------------------------------------------------------ weights, checkpoints
+    def weight_buckets(self, bucket_bytes: int = 64 << 20,
+                       dtype: str | torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) weights in HF state-dict names, one bucket of ~`bucket_bytes` at a time.
+
+        Tied weights appear once (e.g. `model.embed_tokens.weight`, not `lm_head.weight`).
+        Under FSDP2 every rank must drain this iterator (each tensor is all-gathered when
+        reached); all ranks receive the tensors, only rank 0 needs to keep or send them.
+        `dtype` casts floating tensors (e.g. to the rollout's bf16) before bucketing.
+        """
+        return _train.iter_weight_buckets(self.model, bucket_bytes, None if dtype is None else resolve_dtype(dtype))
+
+    def state_dict_for_checkpoint(self) -> dict:
+        """`{"model", "optimizer", "scheduler", "rng"}`; model/optimizer sharded under FSDP2."""
+        return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Model, optimizer, scheduler and RNG state (all ranks call; sharded under FSDP2)."""
+        _train.save_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        _train.load_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """HF `save_pretrained` format + tokenizer, written by rank 0 (all ranks must call)."""
+        state = {name: t.cpu() for bucket in self.weight_buckets() for name, t in bucket}
+        if rank() == 0:
+            self.model.save_pretrained(str(path), state_dict=state)
+            self.tokenizer.save_pretrained(str(path))
+
+
+_SFT_TARGETS = "_sft_targets"  # loss_mask shifted to align with the (B, T - 1) next-token log-probs
+_DPO_PAIRS = "_dpo_pairs"      # one "token" per row, so seq-mean weights count rows (pairs x 2)

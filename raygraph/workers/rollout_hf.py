@@ -1,0 +1,217 @@
+"""A Hugging Face rollout engine: batched sampling with a KV cache, in plain PyTorch.
+
+The sampling loop is written out (prefill, then one token per step with `cache=`) instead of
+calling `generate`, so that the log-probs and stop handling are exactly what the trainer
+assumes:
+
+* `rollout_logprobs` are log-probs of the sampled tokens under `softmax(logits / temperature)`,
+  the distribution the policy worker recomputes, **before** top-k / top-p truncation (those
+  only restrict which tokens can be drawn; with them on, the sampler's true probabilities of
+  the drawn tokens are higher than reported).
+* a row stops after emitting eos (tokenizer and generation config) or any `stop_token_ids`;
+  that token is part of the response (`response_mask` is 1 on it), later positions are padding.
+* positions follow `raygraph.models.logprobs` (`cumsum(mask) - 1`), so the rollout's
+  log-probs match the policy's recomputation of the same tokens to float tolerance.
+
+Sampling draws from one `torch.Generator` per worker, seeded with `seed`: the same seed,
+weights and call sequence give the same samples. Give each data-parallel rank its own seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from raygraph.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    RESPONSES,
+    ROLLOUT_LOGPROBS,
+    WEIGHT_VERSION,
+    Batch,
+)
+from raygraph.models.loading import load_causal_lm, load_tokenizer
+from raygraph.models.logprobs import position_ids_from_mask
+from raygraph.workers.distributed import default_device
+
+__all__ = ["HFRolloutWorker", "filter_top_k_top_p"]
+
+Tensor = torch.Tensor
+
+
+def filter_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set logits outside the top-k / nucleus (top-p) sets to -inf. `(B, V)` -> `(B, V)`.
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches `top_p`
+    (Holtzman et al. 2020); the most likely token is always kept.
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(-1) - probs  # probability of the strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFRolloutWorker:
+    """Generates responses for a batch of prompts with a Hugging Face causal LM.
+
+    Args:
+        model_path: local directory or hub id.
+        dtype, attn_impl: see `raygraph.models.loading`.
+        seed: seeds this worker's sampling generator.
+        n: samples per prompt (default of `generate`).
+        max_new_tokens: response length cap.
+        temperature: > 0; logits are divided by it.
+        top_p, top_k: nucleus / top-k truncation (1.0 / 0 = off).
+        stop_token_ids: extra ids that end a response (eos always does).
+        micro_batch_size: rows per forward pass.
+        device: default: the current CUDA device, else CPU.
+    """
+
+    def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto", seed: int = 0,
+                 n: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 stop_token_ids: Sequence[int] = (), micro_batch_size: int = 64, device: str | None = None) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
+        if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
+            raise ValueError(f"need 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1, n >= 1; got "
+                             f"{top_p}, {top_k}, {max_new_tokens}, {n}")
+        self.device = default_device(device)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_causal_lm(model_path, dtype=dtype, attn_impl=attn_impl).to(self.device)
+        self.model.requires_grad_(False)
+        self.n, self.max_new_tokens, self.micro_batch_size = n, max_new_tokens, micro_batch_size
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        eos = self.model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *eos, *stop_token_ids} - {None})
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights in use (0 = as loaded; set by `load_weights`)."""
+        return self._weight_version
+
+    # ------------------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, batch: Batch, greedy: bool = False, n: int | None = None) -> Batch:
+        """Sample responses for the prompts of `batch`.
+
+        Args:
+            batch: `prompt_ids`, `prompt_mask` `(B, P)` plus any other columns (kept).
+            greedy: argmax decoding (validation); `n` then defaults to 1.
+            n: samples per prompt; default `self.n` (1 when greedy).
+
+        Returns:
+            `B * n` rows (the n samples of a prompt contiguous, all input columns repeated,
+            `uid` included) with `responses`, `response_mask` `(B*n, R)` (R = longest
+            response), `response_length`, `rollout_logprobs`, `weight_version`,
+            `response_text`.
+        """
+        n = n if n is not None else (1 if greedy else self.n)
+        rows = batch.repeat_interleave(n) if n > 1 else batch
+        pieces = [self._sample(rows[PROMPT_IDS][i:i + self.micro_batch_size],
+                               rows[PROMPT_MASK][i:i + self.micro_batch_size], greedy)
+                  for i in range(0, len(rows), self.micro_batch_size)]
+        width = max(p[0].shape[1] for p in pieces)
+        pad = self.tokenizer.pad_token_id
+        responses = torch.cat([_pad_right(p[0], width, pad) for p in pieces])
+        response_mask = torch.cat([_pad_right(p[1], width, 0) for p in pieces])
+        logprobs = torch.cat([_pad_right(p[2], width, 0.0) for p in pieces])
+        lengths = response_mask.sum(-1)
+        texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(responses, lengths.tolist())],
+                                            skip_special_tokens=True)
+        text_column = np.empty(len(texts), dtype=object)
+        text_column[:] = texts
+        return rows.with_columns(**{
+            RESPONSES: responses, RESPONSE_MASK: response_mask, RESPONSE_LENGTH: lengths,
+            ROLLOUT_LOGPROBS: logprobs, RESPONSE_TEXT: text_column,
+            WEIGHT_VERSION: torch.full((len(rows),), self._weight_version, dtype=torch.int64),
+        })
+
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU."""
+        keep = prompt_mask.bool().any(0).nonzero()
+        start = int(keep[0]) if len(keep) else 0  # drop columns that are padding in every row
+        prompt_ids, mask = prompt_ids[:, start:].to(self.device), prompt_mask[:, start:].long().to(self.device)
+        rows = prompt_ids.shape[0]
+        stop = torch.tensor(self.stop_token_ids, device=self.device)
+        out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                         use_cache=True, logits_to_keep=1)
+        next_position = mask.sum(-1, keepdim=True)  # (B, 1): position of the first response token
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        tokens, alive, logprobs = [], [], []
+        for step in range(self.max_new_tokens):
+            token, logprob = self._pick(out.logits[:, -1], greedy)
+            token = token.masked_fill(finished, self.tokenizer.pad_token_id)
+            alive.append(~finished)
+            tokens.append(token)
+            logprobs.append(logprob.masked_fill(finished, 0.0))
+            finished = finished | torch.isin(token, stop)
+            if bool(finished.all()) or step == self.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                             cache=out.cache, use_cache=True)
+            next_position = next_position + 1
+        return (torch.stack(tokens, 1).cpu(), torch.stack(alive, 1).long().cpu(),
+                torch.stack(logprobs, 1).float().cpu())
+
+    def _pick(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
+        """Next token `(B,)` and its log-prob under `softmax(logits / temperature)` `(B,)`."""
+        scaled = logits.float() / self.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if greedy:
+            token = scaled.argmax(-1)
+        else:
+            probs = torch.softmax(filter_top_k_top_p(scaled, self.top_k, self.top_p), dim=-1)
+            token = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+    # ------------------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
+        """Copy new weights in place, bucket by bucket (no second full copy of the model).
+
+        Each bucket is checked (names, shapes) before any of it is copied; tensors are cast to
+        this model's dtype and device. Tied parameters may be sent under either name.
+
+        Returns:
+            `{"loaded": number of tensors, "bytes": bytes received, "version": version}`.
+
+        Raises:
+            KeyError: a name that is not a parameter or buffer of this model.
+            ValueError: a shape mismatch, naming the parameter.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        loaded, nbytes = 0, 0
+        for bucket in buckets:
+            for name, tensor in bucket:
+                if name not in targets:
+                    raise KeyError(f"load_weights: unknown parameter {name!r}; the rollout model has "
+                                   f"{len(targets)} tensors, e.g. {next(iter(targets))!r}")
+                if tuple(tensor.shape) != tuple(targets[name].shape):
+                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout "
+                                     f"model expects {tuple(targets[name].shape)}")
+            for name, tensor in bucket:
+                targets[name].data.copy_(tensor)
+                loaded += 1
+                nbytes += tensor.numel() * tensor.element_size()
+        self._weight_version = int(version)
+        return {"loaded": loaded, "bytes": nbytes, "version": int(version)}
+
+
+def _pad_right(t: Tensor, width: int, value: float) -> Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) if t.shape[1] < width else t

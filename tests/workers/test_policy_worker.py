@@ -1,0 +1,146 @@
+"""PolicyWorker: exact gradient accumulation, non-finite skips, checkpoints, HF export, SFT/DPO."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from raygraph.batch import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
+    WEIGHT_VERSION,
+    Batch,
+)
+from raygraph.workers._train import lr_factor
+from raygraph.workers.policy import ATTENTION_MASK, INPUT_IDS, LOSS_MASK, PolicyWorker
+from raygraph.workers.rollout_hf import HFRolloutWorker
+
+METRICS = {"actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/approx_kl", "actor/entropy",
+           "actor/kl_loss", "actor/lr", "actor/skipped_steps"}
+
+
+def _policy(path, **kw) -> PolicyWorker:
+    return PolicyWorker(model_path=path, **({"lr": 1e-2, "temperature": 0.9} | kw))
+
+
+def _train_batch(worker: PolicyWorker, rollout_batch, rows: int = 6, seed: int = 0) -> Batch:
+    batch = rollout_batch(rows, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(batch[RESPONSE_MASK].shape, generator=gen)
+    batch = batch.union(worker.logprobs(batch)).with_columns(**{ADVANTAGES: advantages})
+    return batch.with_columns(**{REF_LOGPROBS: batch[OLD_LOGPROBS] + 0.1 * torch.randn(advantages.shape, generator=gen)})
+
+
+def _weights(worker: PolicyWorker) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_path, rollout_batch, loss_agg):
+    # lr small: Adam divides by sqrt(v), so fp32 rounding in near-zero gradient entries moves
+    # weights by up to ~lr * 1e-3; a small lr keeps that far below the tolerance.
+    kw = {"loss_agg": loss_agg, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "ppo_epochs": 2, "lr": 1e-4}
+    whole = _policy(tiny_model_path, micro_batch_size=6, **kw)
+    initial = _weights(whole)
+    split = _policy(tiny_model_path, micro_batch_size=4, **kw)  # micro-batches of 4 + 2 rows
+    batch = _train_batch(whole, rollout_batch)
+    m_whole, m_split = whole.update(batch), split.update(batch)
+    assert set(m_whole) == METRICS and m_whole["actor/skipped_steps"] == 0
+    for name in METRICS:
+        assert m_split[name] == pytest.approx(m_whole[name], rel=1e-4, abs=1e-6), name
+    w_whole, w_split = _weights(whole), _weights(split)
+    assert max((w_whole[k] - initial[k]).abs().max() for k in initial) > 1e-4  # two steps of ~lr
+    for k in w_whole:
+        torch.testing.assert_close(w_split[k], w_whole[k], atol=1e-6, rtol=0)
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollout_batch):
+    worker = _policy(tiny_model_path, micro_batch_size=3, mini_batch_size=3)
+    batch = _train_batch(worker, rollout_batch)
+    before = _weights(worker)
+    advantages = batch[ADVANTAGES].clone()
+    advantages[1, 0] = float("nan")  # poisons the first mini-batch only
+    metrics = worker.update(batch.with_columns(**{ADVANTAGES: advantages}))
+    assert metrics["actor/skipped_steps"] == 1
+    after = _weights(worker)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the second mini-batch stepped
+
+    worker = _policy(tiny_model_path, micro_batch_size=6)
+    before = _weights(worker)
+    metrics = worker.update(batch.with_columns(**{ADVANTAGES: advantages}))
+    assert metrics["actor/skipped_steps"] == 1
+    assert all(torch.equal(before[k], v) for k, v in _weights(worker).items())
+    assert not worker.optimizer.state  # AdamW moments untouched too
+
+
+def test_checkpoint_round_trip_restores_model_optimizer_and_schedule(tiny_model_path, rollout_batch, tmp_path):
+    kw = {"lr_schedule": "cosine", "total_steps": 3, "micro_batch_size": 6}
+    worker = _policy(tiny_model_path, **kw)
+    batch = _train_batch(worker, rollout_batch)
+    worker.update(batch)
+    worker.save_checkpoint(tmp_path / "ckpt")
+    expected = worker.update(batch)
+    resumed = _policy(tiny_model_path, **kw)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    got = resumed.update(batch)
+    assert got["actor/lr"] == expected["actor/lr"] < 1e-2
+    for k, v in _weights(worker).items():
+        assert torch.equal(_weights(resumed)[k], v), k
+
+
+def test_save_pretrained_is_loadable_by_hf(tiny_model_path, rollout_batch, tmp_path):
+    worker = _policy(tiny_model_path)
+    worker.update(_train_batch(worker, rollout_batch))
+    worker.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.architectures == ["Qwen2ForCausalLM"]
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, worker.model.state_dict()[k]), k
+    assert (tmp_path / "tokenizer_config.json").exists()
+
+
+def test_weight_sync_to_rollout_is_bit_exact(tiny_model_path, rollout_batch):
+    worker = _policy(tiny_model_path)
+    worker.update(_train_batch(worker, rollout_batch))
+    buckets = list(worker.weight_buckets(bucket_bytes=50_000))
+    names = [n for b in buckets for n, _ in b]
+    assert len(buckets) > 2 and len(names) == len(set(names))
+    assert set(names) == set(worker.model.state_dict()) - {"lm_head.weight"}  # tied: sent once
+    assert all(sum(t.numel() * 4 for _, t in b) <= 50_000 or len(b) == 1 for b in buckets)
+
+    rollout = HFRolloutWorker(model_path=tiny_model_path, max_new_tokens=5, temperature=0.9, n=2)
+    assert rollout.load_weights(iter(buckets), version=1)["loaded"] == len(names)
+    policy_state = worker.model.state_dict()
+    assert all(torch.equal(t, policy_state[k]) for k, t in rollout.model.state_dict().items())
+    out = rollout.generate(rollout_batch(3, seed=2))
+    assert out[WEIGHT_VERSION].tolist() == [1] * 6
+    assert (worker.logprobs(out)[OLD_LOGPROBS] - out[ROLLOUT_LOGPROBS]).abs().max() < 1e-4
+
+
+def test_sft_and_dpo_updates(tiny_model_path, rollout_batch):
+    worker = _policy(tiny_model_path, lr=3e-2, micro_batch_size=2, temperature=1.0)
+    ids = torch.randint(6, 90, (4, 10))
+    mask = torch.ones_like(ids)
+    sft = Batch({INPUT_IDS: ids, ATTENTION_MASK: mask, LOSS_MASK: mask})
+    first = worker.sft_update(sft)["actor/sft_loss"]
+    for _ in range(3):
+        last = worker.sft_update(sft)["actor/sft_loss"]
+    assert last < first
+    pairs = rollout_batch(4, seed=5)
+    pairs = pairs.union(Batch({REF_LOGPROBS: worker.logprobs(pairs)[OLD_LOGPROBS]}))
+    metrics = worker.dpo_update(pairs, beta=0.1)
+    assert metrics["actor/dpo_loss"] == pytest.approx(0.6931, abs=1e-3)  # -log sigmoid(0) at the reference
+    assert {"actor/rewards/accuracy", "actor/grad_norm", "actor/lr"} <= set(metrics)
+
+
+def test_lr_schedule():
+    kw = {"warmup_steps": 2, "total_steps": 6, "min_lr_ratio": 0.1}
+    assert [lr_factor(s, lr_schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = [lr_factor(s, lr_schedule="cosine", **kw) for s in range(8)]
+    assert cosine[:3] == [0.5, 1.0, 1.0] and cosine[4] == pytest.approx(0.55) and cosine[6:] == [0.1, 0.1]
+    assert lr_factor(4, lr_schedule="linear", **kw) == pytest.approx(0.55)
