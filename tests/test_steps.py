@@ -1,0 +1,73 @@
+"""Whole-batch steps: advantages with the KL-in-reward penalty, rollout and validation metrics."""
+
+import numpy as np
+import pytest
+import torch
+
+from raygraph import steps
+from raygraph.batch import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE_MASK,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    Batch,
+)
+
+
+def _scored(scores, uids, width=3, lengths=None):
+    n = len(scores)
+    lengths = lengths or [width] * n
+    mask = torch.tensor([[1] * k + [0] * (width - k) for k in lengths])
+    token_scores = torch.zeros(n, width)
+    for i, (s, k) in enumerate(zip(scores, lengths)):
+        token_scores[i, k - 1] = s
+    return Batch({TOKEN_LEVEL_SCORES: token_scores, RESPONSE_MASK: mask}, {UID: uids})
+
+
+def test_validation_accuracy_on_a_hand_made_case():
+    # 4 prompts, greedy answers right for rows 0 and 3: accuracy 2/4 = 0.5.
+    batch = _scored([1.0, 0.0, 0.0, 1.0], ["a", "b", "c", "d"])
+    batch = batch.with_columns(**{"reward_extra.acc": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                                  "data_source": np.array(["x", "x", "y", "y"], dtype=object)})
+    m = steps.validation_metrics(batch)
+    assert m["val/accuracy"] == 0.5
+    assert m["val/accuracy@x"] == 0.5 and m["val/accuracy@y"] == 0.5
+    assert m["val/reward/mean"] == 0.5
+
+
+def test_validation_accuracy_without_acc_column_counts_positive_scores():
+    m = steps.validation_metrics(_scored([0.5, -1.0, 0.0], ["a", "b", "c"]))
+    assert m["val/accuracy"] == pytest.approx(1 / 3)
+
+
+def test_grpo_advantages_are_global_over_the_batch_groups():
+    # group a: scores 1, 0 -> mean 0.5, unbiased std 0.7071 -> +0.7071, -0.7071 on every valid token
+    batch = _scored([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], lengths=[3, 2, 3, 3])
+    out = steps.compute_advantages(batch, Batch(meta={}), estimator="grpo")
+    adv = out[ADVANTAGES]
+    assert adv[0].tolist() == pytest.approx([0.70710, 0.70710, 0.70710], abs=1e-4)
+    assert adv[1].tolist() == pytest.approx([-0.70710, -0.70710, 0.0], abs=1e-4)
+    assert adv[2:].abs().max() == 0  # zero-variance group b
+    assert torch.equal(out[TOKEN_LEVEL_REWARDS], batch[TOKEN_LEVEL_SCORES])
+
+
+def test_kl_in_reward_penalty_uses_the_driver_coefficient():
+    batch = _scored([1.0, 0.0], ["a", "a"], width=2)
+    batch = batch.with_columns(**{OLD_LOGPROBS: torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]),
+                                  REF_LOGPROBS: torch.tensor([[-1.5, -1.0], [-2.0, -1.0]])})
+    out = steps.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1")
+    # k1 = old - ref per token: row 0 [0.5, 0.0], row 1 [0.0, -1.0]; reward -= 0.1 * k1
+    assert torch.allclose(out[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
+    assert out.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
+
+
+def test_rollout_metrics_report_reward_and_lengths():
+    batch = _scored([1.0, 0.0, 0.5], ["a", "a", "b"], width=4, lengths=[4, 1, 2])
+    m = steps.rollout_metrics(batch)
+    assert m["reward/mean"] == pytest.approx(0.5)
+    assert m["rollout/response_length_max"] == 4 and m["rollout/response_length_min"] == 1
+    assert m["rollout/clip_ratio"] == pytest.approx(1 / 3)
+    assert m["rollout/tokens"] == 7
