@@ -29,7 +29,7 @@ from raygraph.workers.distributed import all_reduce, full_tensor, lockstep, rank
 
 __all__ = [
     "MicroResult", "build_optimizer", "build_scheduler", "iter_weight_buckets", "load_train_state",
-    "lr_factor", "run_minibatches", "save_train_state", "step_scheduler", "train_state_dict",
+    "lr_factor", "run_minibatches", "save_train_state", "train_state_dict",
 ]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -63,8 +63,9 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int | None, lr_sched
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
-def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """Advance the schedule (once per update call, even if every optimizer step was skipped)."""
+def _step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the schedule by one optimizer step (skipped steps count too: the schedule
+    follows training progress, and `total_steps` stays aligned with the trainer)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step", category=UserWarning)
         scheduler.step()
@@ -134,6 +135,7 @@ def run_minibatches(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     loss_fn: Callable[[Batch], MicroResult],
     mask_key: str,
     loss_agg: str,
@@ -144,19 +146,21 @@ def run_minibatches(
 ) -> dict[str, float]:
     """`epochs` x mini-batches (one optimizer step each) x micro-batches (accumulated).
 
-    `mini_batch_size` is per-rank rows per optimizer step (None: the whole shard). Ranks run
+    `mini_batch_size` is per-rank rows per optimizer step (None: the whole shard). The lr
+    scheduler advances once per optimizer step (warmup/total steps count optimizer steps). Ranks run
     the same number of steps and micro-batches (`lockstep`); a rank short of data runs a
     zero-weight dummy micro-batch so that FSDP's collectives still match.
 
     Returns:
         Means over the non-skipped optimizer steps of every loss term and token stat (global
-        over ranks), plus `grad_norm` and `skipped_steps`.
+        over ranks), plus `grad_norm`, `skipped_steps` and `lr` (of the last step).
     """
-    if len(batch) == 0:
-        raise ValueError("cannot update on an empty batch")
+    if len(batch) == 0 or epochs < 1:
+        raise ValueError(f"need a non-empty batch and epochs >= 1, got {len(batch)} rows, {epochs} epochs")
     mini_size = mini_batch_size or len(batch)
     world = world_size()
     step_values, norms, skipped = [], [], []
+    lr = optimizer.param_groups[0]["lr"]
     for _ in range(epochs):
         for mini, _dummy in lockstep(batch.split(mini_size), lambda: batch.select(slice(0, 0))):
             micros = lockstep(mini.split(micro_batch_size) if len(mini) else [],
@@ -178,11 +182,13 @@ def run_minibatches(
                     values[name] = values.get(name, 0.0) + float(v) * weight
                 for name, v in result.token_stats.items():
                     values[name] = values.get(name, 0.0) + float(v) * token_weight
+            lr = optimizer.param_groups[0]["lr"]
             norm, was_skipped = _clip_and_step(model, optimizer, grad_clip, loss_finite)
+            _step_scheduler(scheduler)
             step_values.append(values)
             norms.append(norm)
             skipped.append(was_skipped)
-    return _summarise(step_values, norms, skipped)
+    return _summarise(step_values, norms, skipped) | {"lr": lr}
 
 
 def _summarise(step_values: list[dict[str, float]], norms: list[float], skipped: list[bool]) -> dict[str, float]:

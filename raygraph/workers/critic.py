@@ -2,7 +2,7 @@
 
 `values[:, t]` is the value of the state in which response token t is chosen, read at the
 same column (`P - 1 + t`) as the policy's log-prob of that token. Precision, data parallelism
-(FSDP2), loss scaling over micro-batches and ranks, and the once-per-`update()` lr schedule
+(FSDP2), loss scaling over micro-batches and ranks, and the per-optimizer-step lr schedule
 are as in `raygraph.workers.policy`.
 """
 
@@ -103,13 +103,11 @@ class CriticWorker:
         if missing:
             raise KeyError(f"CriticWorker.update needs columns {missing}; the batch has {batch.columns()}")
         self.model.train()
-        lr = self.optimizer.param_groups[0]["lr"]
         metrics = _train.run_minibatches(
-            batch.select_columns(needed), model=self.model, optimizer=self.optimizer, loss_fn=self._value_loss,
-            mask_key=RESPONSE_MASK, loss_agg=self.loss_agg, epochs=self.ppo_epochs,
+            batch.select_columns(needed), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            loss_fn=self._value_loss, mask_key=RESPONSE_MASK, loss_agg=self.loss_agg, epochs=self.ppo_epochs,
             mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
-        _train.step_scheduler(self.scheduler)
-        return {f"critic/{k}": v for k, v in (metrics | {"lr": lr}).items()}
+        return {f"critic/{k}": v for k, v in metrics.items()}
 
     def state_dict_for_checkpoint(self) -> dict:
         return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
@@ -122,6 +120,8 @@ class CriticWorker:
 
     def save_pretrained(self, path: str | Path) -> None:
         """Body in HF format + `value_head.safetensors` (rank 0 writes; all ranks must call)."""
-        state = {name: t.cpu() for bucket in _train.iter_weight_buckets(self.model, 64 << 20) for name, t in bucket}
-        if rank() == 0:
+        keep = rank() == 0  # other ranks only take part in the all-gathers
+        buckets = _train.iter_weight_buckets(self.model, 64 << 20)
+        state = {name: t.cpu() for bucket in buckets for name, t in bucket if keep}
+        if keep:
             self.model.save_pretrained(path, state_dict=state)

@@ -10,7 +10,8 @@ Precision: master weights and optimizer state are float32; `dtype` is the comput
 `torch.distributed` is initialised with world size > 1 the model is sharded with FSDP2 and each
 rank passes its own shard of the batch; losses are normalised by global token counts so that
 N ranks x 1/N of the batch gives the gradient of 1 rank x the whole batch. The lr scheduler
-advances once per `update()` call (per trainer step), not per optimizer step.
+advances once per optimizer step (`warmup_steps`, `total_steps` count optimizer steps; one
+`update()` makes `ppo_epochs x ceil(shard / mini_batch_size)` of them).
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ class PolicyWorker:
 
         Returns:
             `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/approx_kl`,
-            `actor/entropy`, `actor/kl_loss`, `actor/lr`, `actor/skipped_steps`: means over
-            the optimizer steps of this call, global over ranks (identical on every rank).
+            `actor/entropy`, `actor/kl_loss`, `actor/skipped_steps`: means over the optimizer
+            steps of this call, global over ranks (identical on every rank); `actor/lr`: the
+            lr of the last step.
         """
         needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, OLD_LOGPROBS, ADVANTAGES]
         if self.kl_loss_coef:
@@ -164,16 +166,14 @@ class PolicyWorker:
     def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,
              defaults: dict[str, float]) -> dict[str, float]:
         self.model.train()
-        lr = self.optimizer.param_groups[0]["lr"]
         metrics = _train.run_minibatches(
-            batch, model=self.model, optimizer=self.optimizer, loss_fn=loss_fn, mask_key=mask_key,
-            loss_agg=agg, epochs=epochs, mini_batch_size=self.mini_batch_size,
+            batch, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, loss_fn=loss_fn,
+            mask_key=mask_key, loss_agg=agg, epochs=epochs, mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
-        _train.step_scheduler(self.scheduler)
         if metrics["skipped_steps"]:
             log.warning("policy: skipped %d optimizer step(s) with a non-finite loss or gradient norm",
                         metrics["skipped_steps"])
-        return {f"actor/{k}": v for k, v in (defaults | metrics | {"lr": lr}).items()}
+        return {f"actor/{k}": v for k, v in (defaults | metrics).items()}
 
     def _sft_loss(self, micro: Batch) -> _train.MicroResult:
         input_ids, attention_mask = micro[INPUT_IDS].to(self.device), micro[ATTENTION_MASK].to(self.device)
@@ -244,8 +244,9 @@ class PolicyWorker:
 
     def save_pretrained(self, path: str | Path) -> None:
         """HF `save_pretrained` format + tokenizer, written by rank 0 (all ranks must call)."""
-        state = {name: t.cpu() for bucket in self.weight_buckets() for name, t in bucket}
-        if rank() == 0:
+        keep = rank() == 0  # other ranks only take part in the all-gathers
+        state = {name: t.cpu() for bucket in self.weight_buckets() for name, t in bucket if keep}
+        if keep:
             self.model.save_pretrained(str(path), state_dict=state)
             self.tokenizer.save_pretrained(str(path))
 

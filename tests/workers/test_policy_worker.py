@@ -59,13 +59,14 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_path, ro
 
 
 def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollout_batch):
-    worker = _policy(tiny_model_path, micro_batch_size=3, mini_batch_size=3)
+    worker = _policy(tiny_model_path, micro_batch_size=3, mini_batch_size=3, warmup_steps=4)
     batch = _train_batch(worker, rollout_batch)
     before = _weights(worker)
     advantages = batch[ADVANTAGES].clone()
     advantages[1, 0] = float("nan")  # poisons the first mini-batch only
     metrics = worker.update(batch.with_columns(**{ADVANTAGES: advantages}))
     assert metrics["actor/skipped_steps"] == 1
+    assert metrics["actor/lr"] == pytest.approx(1e-2 * 2 / 4)  # 2 optimizer steps of warmup (skips count)
     after = _weights(worker)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the second mini-batch stepped
