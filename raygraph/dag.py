@@ -44,6 +44,7 @@ __all__ = ["InputNode", "MultiOutputNode", "Executor", "DAGNode", "CallNode", "G
 
 INPUT = ("input", 0)
 EXECUTOR_MODES = ("interpreted", "compiled")
+_COMPILED_ACTORS: dict[str, int] = {}   # actor id hex -> id() of the live compiled Executor using it
 
 
 class DAGNode:
@@ -302,6 +303,8 @@ class Executor:
         if self._compiled is not None:
             self._compiled.teardown()
             self._compiled = None
+            for hex_id in self.plan.sites:
+                _COMPILED_ACTORS.pop(hex_id, None)
 
     # interpreted --------------------------------------------------------------------------------
     def _run_interpreted(self, x: Any) -> list[Any]:
@@ -333,6 +336,11 @@ class Executor:
 
     # compiled -----------------------------------------------------------------------------------
     def _compile(self):
+        # Ray runs one compiled graph per actor at a time; a second one would time out opaquely.
+        busy = [site.actor_name for hex_id, site in self.plan.sites.items() if hex_id in _COMPILED_ACTORS]
+        if busy:
+            raise RuntimeError(f"actors {busy} already belong to a live compiled graph; call teardown() on "
+                               "that Executor first, or use mode='interpreted'")
         with rdag.InputNode() as inp:
             nodes: dict[tuple, Any] = {INPUT: inp}
             for op in self.plan.ops:
@@ -344,7 +352,9 @@ class Executor:
                 for i, n in enumerate(outs):
                     nodes[(op.id, i)] = n
             dag = rdag.MultiOutputNode([nodes[v] for v in self.plan.outputs])
-        return dag.experimental_compile()
+        compiled = dag.experimental_compile()
+        _COMPILED_ACTORS.update({hex_id: id(self) for hex_id in self.plan.sites})
+        return compiled
 
     def _run_compiled(self, x: Any) -> list[Any]:
         ref = self._compiled.execute(x)

@@ -15,7 +15,6 @@ named in the timeout error ("rollout rank 1 did not arrive") instead of hanging.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import ray
@@ -60,14 +59,15 @@ class StandaloneGroup(BaseGroup):
         step = self._arrivals
         self._store.set(f"arrive/{step}/{self._rank}", "1")
         keys = [f"arrive/{step}/{r}" for r in range(self._world_size)]
-        deadline = time.monotonic() + self.timeout_s
-        while not self._store.check(keys):
-            if time.monotonic() > deadline:
-                missing = [self.labels[r] for r, k in enumerate(keys) if not self._store.check([k])]
-                raise WeightSyncError(
-                    f"weight-sync group {self._group_name!r} ({what}): {', '.join(missing)} did not "
-                    f"arrive within {self.timeout_s:.0f}s (as seen by {self.labels[self._rank]})")
-            time.sleep(0.01)
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError on timeout
+            missing = [self.labels[r] for r, k in enumerate(keys) if not self._store.check([k])]
+            if not missing:
+                raise
+            raise WeightSyncError(
+                f"weight-sync group {self._group_name!r} ({what}): {', '.join(missing)} did not "
+                f"arrive within {self.timeout_s:.0f}s (as seen by {self.labels[self._rank]})") from exc
 
     @classmethod
     def backend(cls) -> str:

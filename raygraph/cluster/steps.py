@@ -61,7 +61,10 @@ class Step:
 
     @property
     def label(self) -> str:
-        return f"{self.role}.{self.method}" if self.role else self.op
+        """Task name on the dashboard: `rollout.generate`, `apply:compute_advantages`, `scatter`."""
+        if self.role:
+            return f"{self.role}.{self.method}"
+        return f"{self.op}:{self.method}" if self.method else self.op
 
 
 def resolve(step: Step, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:

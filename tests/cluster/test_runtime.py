@@ -102,6 +102,9 @@ def test_compiled_equals_interpreted(layouts, dummies):
             executor = Executor(dag, mode=mode)
             try:
                 outs[mode] = executor.run(big)
+                if mode == "compiled":   # Ray allows one live compiled graph per actor: say so clearly
+                    with pytest.raises(RuntimeError, match="already belong to a live compiled graph"):
+                        Executor(dag, mode="compiled")
                 # the batch never reaches the driver: only the small outputs come back
                 assert executor.last_driver_bytes < 20_000 < big.nbytes() < executor.last_input_bytes
             finally:

@@ -1,0 +1,118 @@
+"""Weight-sync time and bandwidth: the tiny model and a ~100M-parameter random model, over gloo.
+
+For each model (saved with `raygraph.models.tiny.build_tiny_lm`, size "tiny" and "100m"):
+
+* disaggregated: `PolicyWorker` (1 rank) -> `HFRolloutWorker` (1 and 2 ranks) through the
+  verified, bucketed broadcast (`CollectiveTransport`, gloo);
+* colocated: the same pair fused in one actor (`InProcessTransport`);
+* raw: a bare `ray.util.collective` gloo broadcast of the same number of bytes as one flat
+  buffer between plain actors (no packing, checksums or loading): the floor for the transport.
+
+    .venv/bin/python benchmarks/weight_sync.py [--repeats 3] [--sizes tiny,100m]
+
+Prints one JSON object (seconds are medians over the repeats; GB/s = weight bytes / seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import ray
+import torch
+
+from raygraph.cluster import PoolSpec, RoleSpec, build_roles
+from raygraph.models.tiny import build_tiny_lm
+from raygraph.workers.policy import PolicyWorker
+from raygraph.workers.rollout_hf import HFRolloutWorker
+
+
+class RawPeer:
+    """A plain actor in a built-in `ray.util.collective` gloo group."""
+
+    def setup(self, world: int, rank: int, group: str) -> None:
+        import ray.util.collective as col
+
+        col.init_collective_group(world, rank, backend="gloo", group_name=group)
+
+    def broadcast(self, nbytes: int, group: str, repeats: int) -> list[float]:
+        import ray.util.collective as col
+
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        times = []
+        for _ in range(repeats):
+            col.barrier(group_name=group)
+            start = time.perf_counter()
+            col.broadcast(buf, src_rank=0, group_name=group)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def raw_broadcast(nbytes: int, receivers: int, repeats: int) -> float:
+    peer = ray.remote(num_cpus=0.5)(RawPeer)
+    actors = [peer.remote() for _ in range(receivers + 1)]
+    group = f"raw-{nbytes}-{receivers}"
+    ray.get([a.setup.remote(len(actors), r, group) for r, a in enumerate(actors)])
+    times = ray.get([a.broadcast.remote(nbytes, group, repeats) for a in actors])
+    for a in actors:
+        ray.kill(a)
+    return statistics.median(max(ts[i] for ts in times) for i in range(repeats))
+
+
+def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_bytes: int) -> dict:
+    pools = {"train": PoolSpec(bundles=receivers + (mode == "disaggregated"), cpus_per_bundle=1.0)}
+    specs = {"policy": RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6}, pool="train"),
+             "rollout": RoleSpec(HFRolloutWorker, {"model_path": model_path, "max_new_tokens": 1},
+                                 world_size=receivers, pool="train")}
+    if mode == "colocated":
+        specs["policy"] = RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6},
+                                   world_size=receivers, pool="train")
+    with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, mode=mode, colocate=[("policy", "rollout")],
+                     bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300) as roles:
+        roles.sync_weights_now()   # warm-up
+        stats, walls = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            stats.append(roles.sync_weights_now())
+            walls.append(time.perf_counter() - start)
+    sync_s = statistics.median(s["weights/sync_s"] for s in stats)
+    wall_s = statistics.median(walls)
+    nbytes = stats[0]["weights/bytes"]
+    return {"bytes": int(nbytes), "sync_s": round(sync_s, 4), "driver_wall_s": round(wall_s, 4),
+            "gbytes_per_s": round(nbytes / sync_s / 1e9, 3),
+            "verified": min(s["weights/verified"] for s in stats)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", default="tiny,100m")
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    args = parser.parse_args()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    result: dict = {"bucket_bytes": args.bucket_mb << 20, "repeats": args.repeats, "backend": "gloo (CPU)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes.split(","):
+            path = str(build_tiny_lm(f"{tmp}/{size}", size=size, seed=0))
+            entry: dict = {}
+            for receivers in (1, 2):
+                entry[f"disaggregated_{receivers}rx"] = roles_sync(path, "disaggregated", receivers, args.repeats,
+                                                                   args.bucket_mb << 20)
+            entry["colocated_1rank"] = roles_sync(path, "colocated", 1, args.repeats, args.bucket_mb << 20)
+            nbytes = entry["disaggregated_1rx"]["bytes"]
+            entry["params"] = nbytes // 4
+            for receivers in (1, 2):
+                raw_s = raw_broadcast(nbytes, receivers, args.repeats)
+                entry[f"raw_collective_{receivers}rx"] = {"sync_s": round(raw_s, 4),
+                                                          "gbytes_per_s": round(nbytes / raw_s / 1e9, 3)}
+            result[size] = entry
+    print(json.dumps(result, indent=1))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
