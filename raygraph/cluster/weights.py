@@ -67,10 +67,11 @@ def pack_bucket(bucket: Bucket, device: torch.device) -> tuple[dict, torch.Tenso
         dtypes.append(t.dtype)
         offsets.append(end)
         end += _aligned(t.numel() * t.element_size())
-    payload = torch.zeros(end, dtype=torch.uint8, device=device)
+    payload = torch.empty(end, dtype=torch.uint8, device=device)
     for (_, t), off in zip(bucket, offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         payload[off:off + raw.numel()].copy_(raw)
+        payload[off + raw.numel():off + _aligned(raw.numel())].zero_()   # deterministic padding
     meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets,
             "checksum": bucket_checksum(t for _, t in bucket)}
     return meta, payload

@@ -146,6 +146,18 @@ def test_infeasible_placement_fails_within_bound(ray_local):
     assert "2 x {'CPU': 64.0} (SPREAD)" in msg and "the cluster has {CPU: 8}" in msg
 
 
+def test_failing_constructor_names_role_and_cleans_up(dummies):
+    pools = {"p": PoolSpec(bundles=1, cpus_per_bundle=0.5)}
+    specs = {"policy": RoleSpec(dummies.Policy, {"no_such_arg": 1}, world_size=1, pool="p")}
+    with pytest.raises(RoleError, match="no_such_arg") as info:
+        build_roles("test-runtime/ctor", pools, specs)
+    assert (info.value.role, info.value.method) == ("policy", "__init__")
+    with pytest.raises(ValueError):
+        ray.get_actor("test-runtime/ctor/policy/0")
+    states = [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == "test-runtime/ctor/p"]
+    assert states == ["REMOVED"]
+
+
 def test_killed_actor_surfaces_within_seconds(dummies):
     """Rank 1 dies in the middle of a DAG step while rank 0 keeps running: the driver hears
     about rank 1 within seconds, not when rank 0 finishes."""
