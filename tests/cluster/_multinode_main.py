@@ -1,5 +1,6 @@
 """Run in a subprocess by test_multinode.py: a two-node Ray cluster on this machine, a
-disaggregated layout spanning both nodes, one RL-shaped step and a cross-node weight broadcast.
+disaggregated layout spanning both nodes, one RL-shaped step per executor (interpreted, then
+compiled) with a cross-node weight broadcast each.
 Prints one JSON line; exits non-zero on failure."""
 
 from __future__ import annotations
@@ -41,21 +42,27 @@ def main() -> None:
                 metrics = roles.policy.bind("update", batch)
                 dag = MultiOutputNode([roles.gather(metrics), roles.sync_weights(after=metrics),
                                        roles.apply(d.digest, batch)])
-            executor = Executor(dag)
-            metrics, sync, digest = executor.run(d.prompts(4, per_group=2))
+            runs = {}
+            for mode in ("interpreted", "compiled"):   # one step each; the second sees the first's update
+                executor = Executor(dag, mode=mode)
+                try:
+                    runs[mode] = executor.run(d.prompts(4, per_group=2))
+                finally:
+                    executor.teardown()
             policy = roles.policy.call_rank0("state")
             equal = [all(torch.equal(policy[k], s[k]) for k in policy) for s in roles.rollout.call("state")]
             result = {"rollout_nodes": sorted({s.node_id for s in roles.rollout.sites}),
                       "policy_nodes": sorted({s.node_id for s in roles.policy.sites}),
-                      "first": first, "sync": sync, "metrics": metrics, "equal": equal,
-                      "versions": digest["versions"]}
+                      "first": first, "equal": equal,
+                      "syncs": [runs[m][1] for m in runs], "versions": [runs[m][2]["versions"] for m in runs]}
     finally:
         ray.shutdown()
         cluster.shutdown()
     print("RESULT " + json.dumps(result))
+    v0 = int(first["weights/version"])
     ok = (len(result["rollout_nodes"]) == 2 and len(result["policy_nodes"]) == 2 and all(equal)
-          and sync["weights/verified"] == 1.0 and first["weights/verified"] == 1.0
-          and set(result["versions"]) == {int(first["weights/version"])})
+          and all(s["weights/verified"] == 1.0 for s in [first, *result["syncs"]])
+          and [set(v) for v in result["versions"]] == [{v0}, {v0 + 1}])
     sys.exit(0 if ok else 1)
 
 

@@ -23,6 +23,7 @@ def test_disaggregated_across_two_nodes():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert len(result["rollout_nodes"]) == 2 and all(result["equal"])
-    assert result["sync"]["weights/verified"] == 1.0
-    assert result["sync"]["weights/version"] == result["first"]["weights/version"] + 1
+    assert len(result["rollout_nodes"]) == 2 and len(result["policy_nodes"]) == 2 and all(result["equal"])
+    assert [s["weights/verified"] for s in result["syncs"]] == [1.0, 1.0]
+    v0 = result["first"]["weights/version"]
+    assert [s["weights/version"] for s in result["syncs"]] == [v0 + 1, v0 + 2]
