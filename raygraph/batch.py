@@ -26,7 +26,7 @@ __all__ = [
     "PROMPT_IDS", "PROMPT_MASK", "RESPONSES", "RESPONSE_MASK", "RESPONSE_LENGTH",
     "ROLLOUT_LOGPROBS", "OLD_LOGPROBS", "REF_LOGPROBS", "ENTROPY", "VALUES",
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
-    "REWARD_BASELINES", "WEIGHT_VERSION", "REWARD_EXTRA_PREFIX",
+    "REWARD_BASELINES", "WEIGHT_VERSION", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "RESPONSE_TEXT", "EXTRA_INFO",
 ]
 
@@ -48,6 +48,11 @@ RETURNS = "returns"                      # (B, R) float32
 REWARD_BASELINES = "reward_baselines"    # (B,)   float32, e.g. ReMax greedy-rollout score
 WEIGHT_VERSION = "weight_version"        # (B,)   int64, policy version that generated the row
 REWARD_EXTRA_PREFIX = "reward_extra."    # (B,)   float32 columns, e.g. "reward_extra.acc"
+
+# --- supervised (SFT) rows: one sequence per row, no prompt/response split -------------------
+INPUT_IDS = "input_ids"                  # (B, T) int64, right-padded
+ATTENTION_MASK = "attention_mask"        # (B, T) int64
+LOSS_MASK = "loss_mask"                  # (B, T) int64, 1 on tokens that are training targets
 
 # --- non-tensor columns ---------------------------------------------------------------------
 UID = "uid"                  # group id: the n samples of one prompt share it

@@ -87,6 +87,7 @@ def start_ray(cfg, address: str | None) -> None:
     workers = p.train_workers + (p.rollout_workers if p.mode == "disaggregated" else 0)
     # Logical CPUs may exceed physical cores so that small CPU layouts fit on a laptop.
     num_cpus = max(os.cpu_count() or 1, int(workers * p.cpus_per_worker + 2))
-    context = ray.init(num_cpus=num_cpus, runtime_env=runtime_env, log_to_driver=True)
+    # address="local": always a fresh local instance, even if a `ray start` cluster runs here.
+    context = ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, log_to_driver=True)
     if context.dashboard_url:
         print(f"[raygraph] Ray dashboard: http://{context.dashboard_url}", flush=True)

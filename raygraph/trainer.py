@@ -71,7 +71,7 @@ def _save(ctx: RunContext, roles, step: int, data: StepData, kl_ctl, weight_vers
             if name in ("policy", "critic"):
                 roles[name].call("save_checkpoint", str(ckpt.path / name))
         if ctx.cfg.checkpoint.save_hf:
-            roles.policy.call_rank0("save_pretrained", str(ckpt.path / "hf"))
+            roles.policy.call("save_pretrained", str(ckpt.path / "hf"))  # every FSDP rank gathers
     log.info("checkpoint written: %s", ckpt.final)
 
 

@@ -26,7 +26,10 @@ import torch
 from raygraph.algos import kl, losses
 from raygraph.batch import (
     ADVANTAGES,
+    ATTENTION_MASK,
     ENTROPY,
+    INPUT_IDS,
+    LOSS_MASK,
     OLD_LOGPROBS,
     PROMPT_IDS,
     PROMPT_MASK,
@@ -45,9 +48,6 @@ __all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]
 log = logging.getLogger(__name__)
 
 # Columns of a supervised (SFT) batch: whole sequences, padded on either side.
-INPUT_IDS = "input_ids"            # (B, T) int64
-ATTENTION_MASK = "attention_mask"  # (B, T) int64
-LOSS_MASK = "loss_mask"            # (B, T) int64, 1 on tokens that are training targets
 
 
 class PolicyWorker:
@@ -88,6 +88,7 @@ class PolicyWorker:
         self._autocast = low_precision and not is_distributed()
         self.model = model
         self.packed = use_packed(model, None)
+        self._warm_start_optim = None  # (lr, optimizer, scheduler) of an SFT warm-start stage
         self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
         self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
                                                 lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
@@ -164,10 +165,11 @@ class PolicyWorker:
                          self.loss_agg, defaults={"kl_loss": 0.0})
 
     def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,
-             defaults: dict[str, float]) -> dict[str, float]:
+             defaults: dict[str, float], optimizer=None, scheduler=None) -> dict[str, float]:
         self.model.train()
         metrics = _train.run_minibatches(
-            batch, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, loss_fn=loss_fn,
+            batch, model=self.model, optimizer=optimizer or self.optimizer, scheduler=scheduler or self.scheduler,
+            loss_fn=loss_fn,
             mask_key=mask_key, loss_agg=agg, epochs=epochs, mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
         if metrics["skipped_steps"]:
@@ -183,16 +185,24 @@ class PolicyWorker:
         nll = losses.aggregate(-logprobs, mask, "token-mean")
         return _train.MicroResult(loss=nll, loss_terms={"sft_loss": nll.detach()}, token_stats={})
 
-    def sft_update(self, batch: Batch) -> dict[str, float]:
+    def sft_update(self, batch: Batch, *, lr: float | None = None) -> dict[str, float]:
         """One epoch of supervised fine-tuning: token-mean NLL of the `loss_mask` tokens.
 
         Needs `input_ids`, `attention_mask`, `loss_mask` (B, T); `loss_mask[:, t]` = 1 makes
-        token t a target. Returns `actor/sft_loss`, `actor/grad_norm`, `actor/lr`,
-        `actor/skipped_steps`.
+        token t a target. With `lr`, the step uses a separate constant-lr AdamW (a warm-start
+        stage before RL) and leaves the policy's own optimizer and schedule untouched.
+        Returns `actor/sft_loss`, `actor/grad_norm`, `actor/lr`, `actor/skipped_steps`.
         """
         batch = batch.select_columns([INPUT_IDS, ATTENTION_MASK]).with_columns(
             **{_SFT_TARGETS: batch[LOSS_MASK][:, 1:]})
-        return self._run(batch, self._sft_loss, _SFT_TARGETS, 1, "token-mean", defaults={})
+        optimizer = scheduler = None
+        if lr is not None:
+            if self._warm_start_optim is None or self._warm_start_optim[0] != lr:
+                opt = _train.build_optimizer(self.model, lr=lr, weight_decay=0.0, betas=(0.9, 0.999))
+                self._warm_start_optim = (lr, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+            _, optimizer, scheduler = self._warm_start_optim
+        return self._run(batch, self._sft_loss, _SFT_TARGETS, 1, "token-mean", defaults={},
+                         optimizer=optimizer, scheduler=scheduler)
 
     def _dpo_loss(self, micro: Batch, beta: float, kind: str) -> _train.MicroResult:
         mask = micro[RESPONSE_MASK].to(self.device)

@@ -8,6 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from raygraph.batch import (
     ADVANTAGES,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOSS_MASK,
     OLD_LOGPROBS,
     REF_LOGPROBS,
     RESPONSE_MASK,
@@ -16,7 +19,7 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.workers._train import lr_factor
-from raygraph.workers.policy import ATTENTION_MASK, INPUT_IDS, LOSS_MASK, PolicyWorker
+from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
 
 METRICS = {"actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/approx_kl", "actor/entropy",
