@@ -94,7 +94,7 @@ def main() -> None:
     result = {"steps": args.steps, "rows": args.rows, "batch_bytes": prompts.nbytes()}
     for placement in ("colocated", "disaggregated"):
         with build_roles(f"bench-dag/{placement}", pools, specs, mode=placement,
-                         colocate=[("policy", "rollout")], weight_sync=()) as roles:
+                         colocate=[("policy", "rollout")] if placement == "colocated" else [], weight_sync=()) as roles:
             result[placement] = {mode: measure(roles, mode, prompts, args.steps)
                                  for mode in ("interpreted", "compiled")}
     print(json.dumps(result, indent=1))

@@ -70,7 +70,8 @@ def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_
     if mode == "colocated":
         specs["policy"] = RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6},
                                    world_size=receivers, pool="train")
-    with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, mode=mode, colocate=[("policy", "rollout")],
+    with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, mode=mode,
+                     colocate=[("policy", "rollout")] if mode == "colocated" else [],
                      bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300) as roles:
         roles.sync_weights_now()   # warm-up
         stats, walls = [], []

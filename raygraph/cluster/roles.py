@@ -189,9 +189,11 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
         run_name: prefix of actor and placement-group names (`<run>/<role>/<rank>`, `<run>/<pool>`).
         pools: pool name -> `PoolSpec`.
         specs: role name -> `RoleSpec`.
-        mode: "colocated" (roles listed together in `colocate` share one actor per rank) or
-            "disaggregated" (every role in its own actors; `colocate` is ignored).
-        colocate: tuples of role names to fuse (same pool and world size required).
+        mode: "colocated" or "disaggregated". Both honour `colocate`; in disaggregated mode a
+            weight-sync pair (e.g. policy and rollout) may not be fused, so its weights always
+            move over the collective group.
+        colocate: tuples of role names whose rank i shares ONE actor process (same pool and world
+            size required); weights between fused roles move in-process.
         placement_timeout_s: bounded wait for each placement group.
         weight_sync_timeout_s: bound on joining and on each transfer of the weight-sync group.
         bucket_bytes: weight-sync bucket size.
@@ -206,17 +208,24 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
 
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    _validate(pools, specs, colocate if mode == "colocated" else ())
+    pairs = [p for p in weight_sync if p[0] in specs and p[1] in specs]
+    _validate(pools, specs, colocate)
+    if mode == "disaggregated":
+        for unit in colocate:
+            for src, dst in pairs:
+                if src in unit and dst in unit:
+                    raise ValueError(f"disaggregated mode cannot fuse {src!r} and {dst!r} (colocate={tuple(unit)}); "
+                                     "use mode='colocated' or colocate them separately")
     roles = Roles(run_name, mode, bucket_bytes, weight_sync_timeout_s)
     try:
         for name, spec in pools.items():
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
-        units = _fusion_units(specs, colocate if mode == "colocated" else ())
+        units = _fusion_units(specs, colocate)
         _create_hosts(roles, pools, specs, units, env)
         _init_distributed(roles, specs, placement_timeout_s)
         _construct(roles, specs)
-        setup_weight_groups(roles, [p for p in weight_sync if p[0] in specs and p[1] in specs])
+        setup_weight_groups(roles, pairs)
     except BaseException:
         roles.shutdown()
         raise

@@ -109,3 +109,19 @@ def test_in_process_transport_loads_verified_buckets_and_reports_corruption():
     assert set(loaded) == {"a", "version"} and loaded["version"] == 7   # the bad bucket was skipped
     t.send(iter(src), 8)
     assert t.receive(load)["weights/verified"] == 1.0 and torch.equal(loaded["b"], torch.zeros(2))
+
+
+def test_build_roles_rejects_bad_layouts_before_touching_ray():
+    from raygraph.cluster import PoolSpec, RoleSpec, build_roles
+
+    pools = {"p": PoolSpec(bundles=2)}
+    specs = {"policy": RoleSpec(dict, world_size=2, pool="p"), "rollout": RoleSpec(dict, world_size=2, pool="p"),
+             "reward": RoleSpec(dict, world_size=1, pool="p")}
+    with pytest.raises(ValueError, match="disaggregated mode cannot fuse 'policy' and 'rollout'"):
+        build_roles("x", pools, specs, mode="disaggregated", colocate=[("policy", "rollout")])
+    with pytest.raises(ValueError, match="must share pool and world_size"):
+        build_roles("x", pools, specs, mode="colocated", colocate=[("policy", "reward")])
+    with pytest.raises(ValueError, match="unknown role 'critic'"):
+        build_roles("x", pools, specs, colocate=[("policy", "critic")])
+    with pytest.raises(ValueError, match="uses pool 'q'"):
+        build_roles("x", pools, {"policy": RoleSpec(dict, pool="q")})

@@ -32,7 +32,7 @@ def layouts(real, tiny_model_path):
     try:
         for mode in ("colocated", "disaggregated"):
             out[mode] = build_roles(f"test-real/{mode}", pools, specs, mode=mode,
-                                    colocate=[("policy", "rollout")], bucket_bytes=64 << 10)
+                                    colocate=[("policy", "rollout")] if mode == "colocated" else [], bucket_bytes=64 << 10)
         yield out
     finally:
         for roles in out.values():

@@ -28,7 +28,7 @@ def layouts(dummies):
     try:
         for mode in ("colocated", "disaggregated"):
             out[mode] = build_roles(f"test-runtime/{mode}", pools, _specs(dummies), mode=mode,
-                                    colocate=[("policy", "rollout")], placement_timeout_s=30,
+                                    colocate=[("policy", "rollout")] if mode == "colocated" else [], placement_timeout_s=30,
                                     weight_sync_timeout_s=20, bucket_bytes=300)
         yield out
     finally:
