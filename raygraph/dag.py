@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 import ray.dag as rdag
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from raygraph.cluster import steps as S
 from raygraph.cluster.errors import CallSite, RoleError, to_role_error, wait_calls
@@ -360,6 +360,9 @@ class Executor:
         ref = self._compiled.execute(x)
         try:
             outs = ray.get(ref, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise RoleError(CallSite("compiled graph", -1), "run", "",
+                            f"no result within {self.timeout_s}s") from None
         except RayActorError as exc:
             raise self._attribute(to_role_error(exc, CallSite("?", -1), "compiled graph")) from None
         except Exception as exc:  # noqa: BLE001 - RemoteFailure -> RoleError
