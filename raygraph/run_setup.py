@@ -37,11 +37,17 @@ class RunContext:
 def ensure_assets(cfg) -> None:
     """Build the tiny model and write toy data when the config asks for them and they are missing."""
     model_path = Path(cfg.model.path)
-    if cfg.model.build_tiny and not (model_path / "config.json").is_file():
-        from raygraph.models.tiny import build_tiny_lm
+    if cfg.model.build_tiny:
+        from raygraph.models.tiny import build_tiny_lm, built_size
 
-        log.info("building tiny model (%s) at %s", cfg.model.tiny_size, model_path)
-        build_tiny_lm(model_path, size=cfg.model.tiny_size, seed=cfg.trainer.seed)
+        existing = built_size(model_path)
+        if existing is None:
+            log.info("building tiny model (%s) at %s", cfg.model.tiny_size, model_path)
+            build_tiny_lm(model_path, size=cfg.model.tiny_size, seed=cfg.trainer.seed)
+        elif existing != cfg.model.tiny_size:
+            raise ValueError(f"model.path {model_path} holds a tiny model of size {existing!r}, not "
+                             f"model.tiny_size={cfg.model.tiny_size!r}: point model.path elsewhere "
+                             f"or delete that directory")
     toy = cfg.data.toy
     files = [*cfg.data.train_files, *cfg.data.val_files]
     if toy is not None and not all(Path(f).is_file() for f in files):

@@ -12,6 +12,7 @@ from typing import Any
 from raygraph import steps
 from raygraph.batch import Batch
 from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.data import PromptDataset
 
 __all__ = ["StepData", "merge_outputs", "validation_dag"]
 
@@ -49,7 +50,7 @@ class StepData:
 
     @classmethod
     def load(cls, cfg, data_format: str = "rl") -> StepData:
-        from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
+        from raygraph.data import ResumableSampler, load_offline_dataset
         from raygraph.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
@@ -71,11 +72,15 @@ class StepData:
         if d.val_files:
             val_set = prompts(d.val_files)
             n_val = min(len(val_set), d.val_prompts or len(val_set))
-            val = val_set.to_batch(list(range(n_val)))
+            val = val_set.to_batch(list(range(n_val)), epoch="val")
         return cls(train, sampler, val)
 
     def next_prompts(self, *, step: int, kl_coef: float) -> Batch:
         """The next training batch; per-step values for whole-batch steps travel in `meta`."""
-        batch = self.train.to_batch(self.sampler.next_indices())
+        indices = self.sampler.next_indices()
+        if isinstance(self.train, PromptDataset):  # uids must differ between epochs
+            batch = self.train.to_batch(indices, epoch=self.sampler.epoch)
+        else:
+            batch = self.train.to_batch(indices)
         batch.meta.update(step=step, kl_coef=kl_coef)
         return batch

@@ -130,7 +130,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
         if start_step == 0 and cfg.trainer.warm_start is not None:
             from raygraph.warm_start import run_warm_start
 
-            run_warm_start(cfg, roles, data)
+            run_warm_start(cfg, roles)
         tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
                           mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
                           experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
@@ -139,6 +139,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
             print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
         executor = Executor(workflow.build(roles, cfg), mode=cfg.trainer.executor)
         val_start = _validate(ctx, Executor, roles, data).get("val/accuracy") if start_step == 0 else None
+        roles.take_stage_timings()  # start the per-stage clocks at the first step
         if val_start is not None:
             print(f"[raygraph] validation accuracy before training: {val_start:.3f}", flush=True)
         val_end = val_start
@@ -148,6 +149,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
                 prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value)
                 metrics = merge_outputs(executor.run(prompts))
                 metrics["timing/step_s"] = time.perf_counter() - t0
+                metrics.update(roles.take_stage_timings())
                 metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
                 version = int(metrics.get("weights/version", version))
                 kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ class RoleHost:
         self.workers: dict[str, Any] = {}
         self._transports: dict[str, Any] = {}
         self._versions: dict[str, int] = {}
+        self.timings = _StageTimings()
 
     # --- set-up ---------------------------------------------------------------------------------
     def node_info(self) -> dict:
@@ -90,9 +92,12 @@ class RoleHost:
         return True
 
     # --- DAG steps --------------------------------------------------------------------------------
+    def take_timings(self) -> dict[str, float]:
+        return self.timings.take()
+
     def run(self, step: S.Step, *values: Any) -> Any:
         """Execute one DAG step (see `raygraph.cluster.steps.Step`)."""
-        with self._guard(step.role, step.method or step.op):
+        with self._guard(step.role, step.method or step.op), self.timings.stage(step.label):
             args, kwargs = S.resolve(step, values)
             if step.op == "call":
                 out = getattr(self.workers[step.role], step.method)(*args, **kwargs)
@@ -193,12 +198,16 @@ class Coordinator:
     def __init__(self, run_name: str):
         node_id, ip = _node()
         self.site = CallSite("coordinator", 0, f"{run_name}/coordinator", node_id, ip)
+        self.timings = _StageTimings()
 
     def ping(self) -> bool:
         return True
 
+    def take_timings(self) -> dict[str, float]:
+        return self.timings.take()
+
     def run(self, step: S.Step, *values: Any) -> Any:
-        with _Guard(self.site, step.label):
+        with _Guard(self.site, step.label), self.timings.stage(step.label):
             args, kwargs = S.resolve(step, values)
             if step.op == "scatter":
                 parts = S.scatter(S.merge_shards(values), step.n_out)
@@ -214,6 +223,31 @@ class Coordinator:
         if not step.status:
             return out
         return (*out, S.OK) if step.n_out > 1 else (out, S.OK)
+
+
+class _StageTimings:
+    """Seconds spent in each DAG step label since the last `take()` (per-stage `timing/*`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def stage(self, label: str) -> _Timer:
+        return _Timer(self.seconds, label)
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+class _Timer:
+    def __init__(self, seconds: dict[str, float], label: str):
+        self.seconds, self.label = seconds, label
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds[self.label] = self.seconds.get(self.label, 0.0) + time.perf_counter() - self.start
 
 
 def _combine_sync(values: tuple) -> dict:

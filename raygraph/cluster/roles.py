@@ -72,6 +72,15 @@ class RoleGroup:
         refs = self.call_async(method, *args, **kwargs)
         return wait_calls(refs, self.sites, [method] * len(refs))
 
+    def call_sharded(self, method: str, batch: Any, **kwargs: Any) -> list[Any]:
+        """Run `method` on every rank with that rank's share of `batch` (split by prompt group)."""
+        from raygraph.cluster import steps as S
+
+        shards = S.scatter(batch, self.world_size)
+        refs = [a.call.options(name=f"{self.name}.{method}").remote(self.name, method, shard, **kwargs)
+                for a, shard in zip(self.actors, shards)]
+        return wait_calls(refs, self.sites, [method] * len(refs))
+
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = self.actors[0].call.options(name=f"{self.name}.{method}").remote(self.name, method, *args, **kwargs)
         return wait_calls([ref], self.sites[:1], [method])[0]
@@ -152,6 +161,16 @@ class Roles:
         from raygraph.cluster.sync import sync_now
 
         return sync_now(self, src, dst, strict=strict, corrupt_bucket=corrupt_bucket, version=version)
+
+    def take_stage_timings(self) -> dict[str, float]:
+        """`timing/<stage>_s` since the last call: per DAG step label, the slowest rank's seconds."""
+        actors = [*self.hosts, self.coordinator]
+        out: dict[str, float] = {}
+        for per_actor in ray.get([a.take_timings.remote() for a in actors if a is not None]):
+            for label, seconds in per_actor.items():
+                key = f"timing/{label.replace(':', '_')}_s"
+                out[key] = max(out.get(key, 0.0), seconds)
+        return out
 
     # --- teardown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -19,7 +19,7 @@ from transformers import (
     Qwen2Config,
 )
 
-__all__ = ["build_tiny_tokenizer", "build_tiny_lm", "build_tiny_reward_model", "TINY_SIZES"]
+__all__ = ["build_tiny_tokenizer", "build_tiny_lm", "build_tiny_reward_model", "built_size", "TINY_SIZES"]
 
 PAD, EOS, BOS = "<|pad|>", "<|end|>", "<|start|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -92,3 +92,16 @@ def build_tiny_reward_model(path: str | Path, *, size: str = "tiny", seed: int =
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def built_size(path: str | Path) -> str | None:
+    """The `TINY_SIZES` name of the model saved at `path`, "custom" if none matches, None if absent."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    import json
+
+    config = json.loads(config_file.read_text())
+    shape = (config.get("hidden_size"), config.get("num_hidden_layers"), config.get("num_attention_heads"),
+             config.get("num_key_value_heads"), config.get("intermediate_size"))
+    return next((name for name, dims in TINY_SIZES.items() if dims == shape), "custom")

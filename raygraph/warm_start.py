@@ -1,0 +1,43 @@
+"""Optional supervised warm start before RL (`trainer.warm_start`).
+
+A few SFT steps on prompt/response pairs, with their own constant learning rate and optimizer
+(the RL optimizer and schedule start untouched afterwards), then one weight sync so that the
+rollout engine samples from the warm-started policy. The driver reads the SFT rows (it owns the
+data files) and hands each policy rank its shard.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from raygraph.batch import Batch
+
+__all__ = ["run_warm_start"]
+
+log = logging.getLogger("raygraph")
+
+
+def run_warm_start(cfg, roles) -> dict[str, float]:
+    """Run `trainer.warm_start.steps` SFT steps on the policy, then sync weights to the rollout.
+
+    Returns the last step's metrics (`actor/sft_loss`, ...) prefixed `warm_start/`.
+    """
+    from raygraph.data import ResumableSampler, load_offline_dataset
+    from raygraph.models.loading import load_tokenizer
+
+    ws = cfg.trainer.warm_start
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    dataset = load_offline_dataset("sft", ws.files or cfg.data.train_files, tokenizer,
+                                   max_prompt_length=cfg.data.max_prompt_length,
+                                   max_response_length=cfg.rollout.max_new_tokens,
+                                   apply_chat_template=cfg.data.apply_chat_template)
+    sampler = ResumableSampler(len(dataset), ws.batch_size, seed=cfg.trainer.seed)
+    metrics: dict[str, float] = {}
+    for step in range(1, ws.steps + 1):
+        batch: Batch = dataset.to_batch(sampler.next_indices())
+        metrics = roles.policy.call_sharded("sft_update", batch, lr=ws.lr)[0]
+        if step == 1 or step == ws.steps or step % 25 == 0:
+            print(f"[raygraph] warm start {step}/{ws.steps} sft_loss={metrics['actor/sft_loss']:.4f}",
+                  flush=True)
+    roles.sync_weights_now()
+    return {f"warm_start/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
