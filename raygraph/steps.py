@@ -31,7 +31,7 @@ from raygraph.batch import (
 )
 
 __all__ = ["compute_advantages", "rollout_metrics", "validation_metrics", "sequence_scores",
-           "attach_reward_baselines"]
+           "attach_reward_baselines", "use_rollout_logprobs"]
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -78,6 +78,15 @@ def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: f
     out = batch.with_columns(**{TOKEN_LEVEL_REWARDS: rewards, ADVANTAGES: adv, RETURNS: ret})
     out.meta.update(kl_in_reward=kl_mean, kl_coef=kl_coef)
     return out
+
+
+def use_rollout_logprobs(batch: Batch) -> Batch:
+    """Take the rollout engine's log-probs as `old_logprobs` (skips a policy forward pass).
+
+    Exact only when the rollout samples with the policy's current weights in the same precision
+    (synchronous, fp32, no top-p/top-k): then the PPO ratio starts at 1, as it would anyway.
+    """
+    return batch.with_columns(**{OLD_LOGPROBS: batch[ROLLOUT_LOGPROBS]})
 
 
 def attach_reward_baselines(batch: Batch, baseline_batch: Batch) -> Batch:

@@ -63,13 +63,24 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
+_TRAINED_ROLES = ("policy", "critic")  # optimizer state; every rank writes its shards into one dir
+
+
+def _role_state(roles, method: str, ckpt_dir: Path) -> None:
+    """save_checkpoint / load_checkpoint on every stateful role (rollout: its sampling RNG per rank)."""
+    for name in roles.names():
+        if name in _TRAINED_ROLES:
+            roles[name].call(method, str(ckpt_dir / name))
+    if "rollout" in roles.names():
+        group = roles.rollout
+        group.call_each(method, [(str(ckpt_dir / "rollout" / f"rank{r}"),) for r in range(group.world_size)])
+
+
 def _save(ctx: RunContext, roles, step: int, data: StepData, kl_ctl, weight_version: int) -> None:
     state = {"sampler": data.sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
              "weight_version": weight_version, "run_name": ctx.run_name}
     with checkpoint.CheckpointWriter(ctx.run_dir, step, state, ctx.cfg.checkpoint.keep_last) as ckpt:
-        for name in roles.names():
-            if name in ("policy", "critic"):
-                roles[name].call("save_checkpoint", str(ckpt.path / name))
+        _role_state(roles, "save_checkpoint", ckpt.path)
         if ctx.cfg.checkpoint.save_hf:
             roles.policy.call("save_pretrained", str(ckpt.path / "hf"))  # every FSDP rank gathers
     log.info("checkpoint written: %s", ckpt.final)
@@ -78,11 +89,11 @@ def _save(ctx: RunContext, roles, step: int, data: StepData, kl_ctl, weight_vers
 def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
     ckpt_dir = checkpoint.resolve_resume(ctx.cfg.trainer.resume, ctx.run_dir)
     if ckpt_dir is None:
+        rollout = roles.rollout
+        rollout.call_each("reseed", [(ctx.cfg.trainer.seed + r,) for r in range(rollout.world_size)])
         return 0, 0
     state = checkpoint.read_trainer_state(ckpt_dir)
-    for name in roles.names():
-        if name in ("policy", "critic"):
-            roles[name].call("load_checkpoint", str(ckpt_dir / name))
+    _role_state(roles, "load_checkpoint", ckpt_dir)
     data.sampler.load_state_dict(state["sampler"])
     kl_ctl.load_state_dict(state["kl_controller"])
     version = int(state.get("weight_version", 0))
@@ -137,7 +148,10 @@ def run(cfg, address: str | None = None) -> RunSummary:
                           console=cfg.logging.console)
         if tracker.mlflow_run_id:
             print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
-        executor = Executor(workflow.build(roles, cfg), mode=cfg.trainer.executor)
+        # profile: interpreted, so that every stage is a Ray task in the timeline (a compiled graph
+        # runs as one long task per actor)
+        mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
+        executor = Executor(workflow.build(roles, cfg), mode=mode)
         val_start = _validate(ctx, Executor, roles, data).get("val/accuracy") if start_step == 0 else None
         roles.take_stage_timings()  # start the per-stage clocks at the first step
         if val_start is not None:
@@ -166,6 +180,10 @@ def run(cfg, address: str | None = None) -> RunSummary:
                     break
         status = "KILLED" if stopped else "FINISHED"
     finally:
+        if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
+            import ray
+
+            ray.timeline(filename=str(ctx.run_dir / "timeline.json"))
         if executor is not None:
             executor.teardown()
         roles.shutdown()

@@ -72,6 +72,14 @@ class RoleGroup:
         refs = self.call_async(method, *args, **kwargs)
         return wait_calls(refs, self.sites, [method] * len(refs))
 
+    def call_each(self, method: str, per_rank_args: Sequence[tuple]) -> list[Any]:
+        """Run `method` on every rank with its own positional arguments (`per_rank_args[rank]`)."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"{self.name}: {len(per_rank_args)} argument tuples for {self.world_size} ranks")
+        refs = [a.call.options(name=f"{self.name}.{method}").remote(self.name, method, *args)
+                for a, args in zip(self.actors, per_rank_args)]
+        return wait_calls(refs, self.sites, [method] * len(refs))
+
     def call_sharded(self, method: str, batch: Any, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank with that rank's share of `batch` (split by prompt group)."""
         from raygraph.cluster import steps as S

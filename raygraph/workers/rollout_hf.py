@@ -20,6 +20,7 @@ weights and call sequence give the same samples. Give each data-parallel rank it
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,6 +99,22 @@ class HFRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *eos, *stop_token_ids} - {None})
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._weight_version = 0
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling generator from `seed` (the trainer gives each rank its own)."""
+        self.generator.manual_seed(seed)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """The sampling generator's state; the weights come back from the policy on resume."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"generator": self.generator.get_state(), "weight_version": self._weight_version},
+                   path / "rollout_state.pt")
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        state = torch.load(Path(path) / "rollout_state.pt", weights_only=True)
+        self.generator.set_state(state["generator"])
+        self._weight_version = int(state["weight_version"])
 
     @property
     def weight_version(self) -> int:
