@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/raygraph train configs/demo.yaml
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check raygraph workflows tests benchmarks
+	$(VENV)/bin/ruff check raygraph workflows tests benchmarks examples
 
 test: lint
 	$(PY) -m pytest -q tests

@@ -109,3 +109,17 @@ def test_custom_workflow_by_path(shared_assets, tmp_path, ray_local):
                       toy_overrides(shared_assets, tmp_path, workflow=f"{path}:my_build"))
     rows = read_metrics(run(cfg).run_dir)
     assert len(rows) == 2 and rows[-1]["weights/version"] == 2.0 and "actor/pg_loss" in rows[0]
+
+
+def test_tutorial_workflow_file_runs_and_matches_the_doc(shared_assets, tmp_path, ray_local):
+    """docs/custom-algorithm.md shows examples/rejection_sampling.py verbatim; that file trains."""
+    from raygraph.trainer import run
+
+    example = REPO / "examples" / "rejection_sampling.py"
+    doc = (REPO / "docs" / "custom-algorithm.md").read_text()
+    assert example.read_text().strip() in doc
+    cfg = load_config(REPO / "configs" / "grpo_toy.yaml",
+                      toy_overrides(shared_assets, tmp_path, workflow=f"{example}:build"))
+    rows = read_metrics(run(cfg).run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and "actor/sft_loss" in rows[0]
+    assert rows[-1]["weights/version"] == 2.0
