@@ -1,0 +1,79 @@
+"""Rule rewards share ONE signature and live in a registry keyed by name and data_source.
+
+    fn(response_text: str, ground_truth: str, extra_info: dict | None) -> RewardResult
+
+`RewardResult.score` is the scalar reward of the whole response; `extras` are per-response
+metrics (e.g. ``acc``, ``format_ok``) that the reward workers expose as ``reward_extra.<name>``
+columns. Entries are registered at import time and never afterwards, so lookups are pure;
+tests that need other entries build their own `RewardRegistry`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["RewardResult", "RewardFn", "RewardRegistry"]
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Score of one response and its extra metrics (all floats)."""
+
+    score: float
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+RewardFn = Callable[[str, str, "dict | None"], RewardResult]
+
+
+class RewardRegistry:
+    """Reward functions by name, and the data sources each one scores."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, RewardFn] = {}
+        self._by_source: dict[str, str] = {}
+
+    def register(self, name: str, *, sources: tuple[str, ...] = ()) -> Callable[[RewardFn], RewardFn]:
+        """Decorator registering `fn` as `name`, the reward for every data source in `sources`.
+
+        Raises:
+            ValueError: when the name or a data source is already taken.
+        """
+
+        def decorator(fn: RewardFn) -> RewardFn:
+            if name in self._fns:
+                raise ValueError(f"reward function {name!r} is already registered")
+            taken = [s for s in sources if s in self._by_source]
+            if taken:
+                raise ValueError(f"data sources {taken} already have a reward function")
+            self._fns[name] = fn
+            self._by_source.update({s: name for s in sources})
+            return fn
+
+        return decorator
+
+    def names(self) -> tuple[str, ...]:
+        """All registered reward names, sorted."""
+        return tuple(sorted(self._fns))
+
+    def sources(self) -> tuple[str, ...]:
+        """All data sources that have a reward, sorted."""
+        return tuple(sorted(self._by_source))
+
+    def get(self, name: str) -> RewardFn:
+        """The reward function registered as `name`; ValueError listing valid names otherwise."""
+        if name not in self._fns:
+            raise ValueError(f"unknown reward function {name!r}; valid names: "
+                             f"{', '.join(self.names())}")
+        return self._fns[name]
+
+    def score_for_source(self, data_source: str) -> RewardFn:
+        """The reward function for `data_source`; ValueError listing known sources otherwise."""
+        if data_source not in self._by_source:
+            raise ValueError(f"no rule reward for data_source {data_source!r}; known data sources: "
+                             f"{', '.join(self.sources())} (or name a function explicitly)")
+        return self._fns[self._by_source[data_source]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns

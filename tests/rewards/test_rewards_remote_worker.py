@@ -1,0 +1,127 @@
+"""RemoteRewardWorker against a local HTTP server on 127.0.0.1 (run in a thread)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from raygraph.batch import TOKEN_LEVEL_SCORES
+from raygraph.workers.reward_remote import RemoteRewardWorker
+
+
+class _Service:
+    """Scripted answers: each request pops the next behaviour ("ok", "hang", "503", "short")."""
+
+    def __init__(self, script):
+        self.script, self.requests, self.release = list(script), [], threading.Event()
+
+    def handle(self, handler):
+        body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+        self.requests.append({"body": body, "auth": handler.headers.get("Authorization")})
+        action = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        if action == "hang":               # held until the test ends: the client times out
+            self.release.wait(timeout=10)
+            return
+        if action == "503":
+            handler.send_response(503)
+            handler.end_headers()
+            handler.wfile.write(b"overloaded")
+            return
+        n = len(body["responses"]) - (1 if action == "short" else 0)
+        answer = {"scores": [float(len(r)) for r in body["responses"]][:n],
+                  "extras": {"is_seven": [float(r == "7") for r in body["responses"]][:n]}}
+        data = json.dumps(answer).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(*script):
+        service = _Service(script)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                service.handle(self)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append((server, service))
+        return f"http://127.0.0.1:{server.server_address[1]}/score", service
+
+    yield start
+    for server, service in servers:
+        service.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def batch(tokenizer_path, make_response_batch):
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    return make_response_batch(tok, ["7", "123", ""], ["7", "9", "1"], ["toy_arith", "gsm8k", "toy_arith"])
+
+
+def test_success_protocol_auth_and_placement(serve, batch, tokenizer_path, monkeypatch):
+    url, service = serve("ok")
+    monkeypatch.setenv("RM_TOKEN", "s3cret")
+    out = RemoteRewardWorker(url, tokenizer_path, timeout_s=2, auth_env="RM_TOKEN").score(batch)
+    sent = service.requests[0]
+    assert sent["auth"] == "Bearer s3cret"
+    assert sent["body"] == {"prompts": [f"<|user|>q{i}<|end|><|assistant|>" for i in range(3)],
+                            "responses": ["7", "123", ""], "ground_truths": ["7", "9", "1"],
+                            "data_sources": ["toy_arith", "gsm8k", "toy_arith"]}
+    scores = out[TOKEN_LEVEL_SCORES]
+    expected = torch.zeros_like(scores)
+    expected[0, 1], expected[1, 3] = 1.0, 3.0     # score = len(text), on the eos token
+    assert torch.equal(scores, expected)          # the empty response holds no score
+    assert out["reward_extra.is_seven"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_timeout_then_retry_succeeds(serve, batch, tokenizer_path):
+    url, service = serve("hang", "ok")
+    start = time.monotonic()
+    out = RemoteRewardWorker(url, tokenizer_path, timeout_s=0.3, max_retries=2, backoff_s=0.01).score(batch)
+    assert len(service.requests) == 2 and out[TOKEN_LEVEL_SCORES][0, 1].item() == 1.0
+    assert time.monotonic() - start < 3
+
+
+def test_permanent_failure_names_url_and_attempts(serve, batch, tokenizer_path):
+    url, service = serve("503")
+    worker = RemoteRewardWorker(url, tokenizer_path, timeout_s=1, max_retries=2, backoff_s=0.01)
+    with pytest.raises(RuntimeError, match=rf"reward service {url} failed after 3 attempts.*HTTP 503"):
+        worker.score(batch)
+    assert len(service.requests) == 3
+
+
+def test_connection_refused_and_length_mismatch(serve, batch, tokenizer_path):
+    url, _ = serve("short")
+    with pytest.raises(RuntimeError, match=rf"{url} returned 2 scores for 3 rows"):
+        RemoteRewardWorker(url, tokenizer_path, timeout_s=1).score(batch)
+    with socket.socket() as s:          # a port that was free a moment ago: nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/score"
+    with pytest.raises(RuntimeError, match=rf"{dead} failed after 2 attempts.*connection error"):
+        RemoteRewardWorker(dead, tokenizer_path, timeout_s=0.5, max_retries=1, backoff_s=0.01).score(batch)
+
+
+def test_missing_auth_variable_fails_at_construction(tokenizer_path, monkeypatch):
+    monkeypatch.delenv("RM_TOKEN_UNSET", raising=False)
+    with pytest.raises(ValueError, match="RM_TOKEN_UNSET"):
+        RemoteRewardWorker("http://127.0.0.1:9/x", tokenizer_path, auth_env="RM_TOKEN_UNSET")
