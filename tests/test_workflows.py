@@ -21,10 +21,10 @@ def shared_assets(tmp_path_factory):
     return {"model": root / "tiny-lm", "data": root / "toy"}
 
 
-def toy_overrides(assets, out_dir: Path, **extra) -> list[str]:
+def toy_overrides(assets, out_dir: Path, train_file: str = "train.parquet", **extra) -> list[str]:
     data = assets["data"]
     overrides = {
-        "model.path": assets["model"], "data.train_files": f"[{data / 'train.parquet'}]",
+        "model.path": assets["model"], "data.train_files": f"[{data / train_file}]",
         "data.val_files": f"[{data / 'val.parquet'}]", "trainer.output_dir": out_dir,
         "logging.mlflow": "false", "data.val_prompts": 8, "trainer.total_steps": 2, **extra,
     }
@@ -39,7 +39,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
     from raygraph.trainer import run
 
-    cfg = load_config(config, toy_overrides(shared_assets, tmp_path))
+    train_file = Path(load_config(config).data.train_files[0]).name
+    cfg = load_config(config, toy_overrides(shared_assets, tmp_path, train_file))
     summary = run(cfg)
     rows = read_metrics(summary.run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -53,6 +54,8 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
         assert {"reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/logprob_diff_max"} <= rows[0].keys()
         # the rollout's own log-probs and the policy's recomputation agree (same weights, fp32)
         assert rows[0]["rollout/logprob_diff_max"] < 1e-4
+    else:
+        assert rows[0][f"actor/{cfg.data.format}_loss"] > 0
     ckpt = summary.run_dir / "checkpoints" / "step_2"
     assert (ckpt / "COMPLETE").is_file() and (ckpt / "hf" / "config.json").is_file()
     assert (summary.run_dir / "config.yaml").is_file()

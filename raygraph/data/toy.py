@@ -32,7 +32,7 @@ from pathlib import Path
 from raygraph.data.prompts import write_rows
 
 __all__ = ["DATA_SOURCE", "toy_problems", "split_toy_problems", "toy_rows", "write_toy_dataset",
-           "toy_sft_rows"]
+           "toy_sft_rows", "toy_dpo_rows"]
 
 DATA_SOURCE = "toy_arith"
 
@@ -94,9 +94,22 @@ def toy_sft_rows(n: int = 320, seed: int = 0, **task_args) -> list[dict]:
     return rows[:n]
 
 
+def toy_dpo_rows(problems: list[tuple[str, str]], seed: int = 0, **task_args) -> list[dict]:
+    """Preference pairs for the same problems: chosen = the right answer, rejected = a wrong one."""
+    modulo = task_args.get("modulo", 10)
+    answers = [str(v) for v in range(modulo if modulo else 2 * task_args.get("max_operand", 9) + 1)]
+    rng = random.Random(seed)
+    return [{"prompt": [{"role": "user", "content": question}], "chosen": answer,
+             "rejected": rng.choice([a for a in answers if a != answer])}
+            for question, answer in problems]
+
+
 def write_toy_dataset(out_dir: str | Path, n_train: int = 80, n_val: int = 20, seed: int = 0,
                       **task_args) -> tuple[Path, Path]:
-    """Write ``train.parquet``, ``val.parquet`` and ``warm_start.parquet`` into `out_dir`.
+    """Write ``train.parquet``, ``val.parquet``, ``warm_start.parquet`` and ``train_dpo.parquet``.
+
+    ``train.parquet`` also serves as SFT data (its ground truth is the response);
+    ``train_dpo.parquet`` holds preference pairs over the same training problems.
 
     Args:
         out_dir: folder (created if missing).
@@ -112,4 +125,5 @@ def write_toy_dataset(out_dir: str | Path, n_train: int = 80, n_val: int = 20, s
     train_path = write_rows(toy_rows(train, "train"), out_dir / "train.parquet")
     val_path = write_rows(toy_rows(val, "val"), out_dir / "val.parquet")
     write_rows(toy_sft_rows(seed=seed, **task_args), out_dir / "warm_start.parquet")
+    write_rows(toy_dpo_rows(train, seed=seed, **task_args), out_dir / "train_dpo.parquet")
     return train_path, val_path
