@@ -16,12 +16,17 @@ Why this task (for the CPU demo with `raygraph.models.tiny` and its character to
 Warm start (`toy_sft_rows`, written as ``warm_start.parquet``): *copy* rows ``"7="`` -> ``"7"``.
 They teach the answer format (a bare number, then stop) and to read a digit off the prompt, but
 contain no addition and no task prompt, so they cannot leak validation answers; RL has to learn
-the addition itself. Measured with a minimal GRPO loop on 2 CPU cores (tiny model, 100 copy-SFT
-steps at lr 1e-3, then 300 GRPO steps of 32 prompts x 8 samples, lr 1e-3 with 20 warmup steps,
-4 mini-batches per step, temperature 1): held-out greedy accuracy rose from 5-20 % to 45-55 %.
+the addition itself. Measured with `tests/data/toy_learnability.py` (a minimal GRPO loop over
+this package's data and reward code; tiny model, 2 CPU cores): 100 copy-SFT steps of 32 rows at
+lr 1e-3, then 300 GRPO steps of 32 prompts x 8 samples, lr 5e-4 with 20 warmup steps, 4
+mini-batches per step, PPO clip 0.2, temperature 1, no KL. Held-out greedy accuracy over seeds
+0-3: 0 at random init, 10-25 % after the warm start, 40-70 % after RL (+25 to +60 points).
+An RL lr of 1e-3 was less stable (one seed collapsed to reward ~0 and did not recover); a
+warm start on random digits (format only, no copying) left GRPO stuck at chance.
 
-Set ``modulo=None`` for plain sums (answers 0-18, up to two tokens) or raise `max_operand` for
-more problems; both make the task harder than the default.
+Set ``modulo=None`` for plain sums (answers 0-18, up to two tokens; harder) or raise
+`max_operand` for more distinct problems (the answer still depends on the units digits only;
+the warm start still copies 0-9). Only the defaults were measured as above.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raygraph.data import PromptDataset, SFTDataset
-from raygraph.data.toy import split_toy_problems, toy_problems, toy_sft_rows, write_toy_dataset
+from raygraph.data.toy import split_toy_problems, toy_dpo_rows, toy_problems, toy_sft_rows, write_toy_dataset
 from raygraph.rewards import score_for_source
 
 
@@ -44,6 +44,14 @@ def test_warm_start_rows_are_copy_rows_not_task_problems():
     assert questions == {f"{v}=" for v in range(10)}
     assert all(r["response"] + "=" == r["prompt"][0]["content"] for r in rows)
     assert not questions & {q for q, _ in toy_problems()}
+
+
+def test_dpo_pairs_prefer_the_right_answer(tmp_path, char_tokenizer):
+    rows = toy_dpo_rows([("3+4=", "7"), ("8+5=", "3")], seed=0)
+    assert [r["chosen"] for r in rows] == ["7", "3"]
+    assert all(r["rejected"] != r["chosen"] and r["rejected"].isdigit() for r in rows)
+    write_toy_dataset(tmp_path, n_train=10, n_val=5)
+    assert len(pq.read_table(tmp_path / "train_dpo.parquet")) == 10
 
 
 def test_random_init_tiny_model_scores_about_zero(tiny_model_path, tmp_path):

@@ -59,7 +59,9 @@ def run(seed, args, workdir):
     torch.manual_seed(seed)
     path = build_tiny_lm(f"{workdir}/model{seed}", seed=seed)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    train_path, val_path = write_toy_dataset(f"{workdir}/data{seed}", seed=seed)
+    task_args = {} if args.max_operand is None else {"max_operand": args.max_operand}
+    train_path, val_path = write_toy_dataset(f"{workdir}/data{seed}", n_train=args.n_train, n_val=args.n_val,
+                                             seed=seed, **task_args)
     train, val = PromptDataset(train_path, tok, 16), PromptDataset(val_path, tok, 16)
     reward, val_prompts = RuleRewardWorker(str(path)), val.to_batch(range(len(val)), epoch="val")
     log = [f"seed {seed}: init {accuracy(model, tok, reward, val_prompts):.2f}"]
@@ -105,6 +107,9 @@ def run(seed, args, workdir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--n-train", type=int, default=80)
+    parser.add_argument("--n-val", type=int, default=20)
+    parser.add_argument("--max-operand", type=int, default=None)
     parser.add_argument("--sft-steps", type=int, default=100)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--prompts", type=int, default=32)
