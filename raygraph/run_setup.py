@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets"]
+__all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "quiet_progress_bars"]
 
 log = logging.getLogger("raygraph")
 
@@ -62,10 +64,26 @@ def ensure_assets(cfg) -> None:
                                 f"(make toy data with `raygraph data toy --out DIR`)")
 
 
+def quiet_progress_bars() -> None:
+    """No HF/tqdm progress bars in the driver either (unless HF_HUB_DISABLE_PROGRESS_BARS is set):
+    their carriage returns clutter a job log (`ray job logs`), which is not a terminal."""
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") != "1":
+        return
+    if "huggingface_hub" in sys.modules:  # imported before us: it has read the variable already
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+
+
 def prepare_run(cfg) -> RunContext:
     """Create `<output_dir>/<experiment>/<run>/`, write the resolved config, build local assets."""
     from raygraph.config import to_yaml
 
+    quiet_progress_bars()
     run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.output_dir) / cfg.experiment / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +105,11 @@ def start_ray(cfg, address: str | None) -> None:
     runtime_env = {"env_vars": dict(ACTOR_ENV)}
     if address:
         log.info("joining Ray cluster at %s", address)
+        # Inside `ray job submit`, Ray merges the job's runtime env with this one and refuses an
+        # env var set by both: the job's value wins.
+        job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+        taken = (job.get("runtime_env") or {}).get("env_vars") or {}
+        runtime_env = {"env_vars": {k: v for k, v in ACTOR_ENV.items() if k not in taken}}
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
     p = cfg.placement

@@ -87,14 +87,19 @@ class _MlflowSink:
 
 
 class _RayMetricsSink:
-    """Gauges exported with `ray.util.metrics`, shown in the dashboard's Metrics view."""
+    """Gauges exported with `ray.util.metrics`, shown in the dashboard's Metrics view.
 
-    def __init__(self, run_name: str):
+    Prometheus sees them as `ray_raygraph_reward`, `ray_raygraph_val_acc`, `ray_raygraph_step_s`
+    and `ray_raygraph_tok_per_s`, tagged with the experiment and the run.
+    """
+
+    def __init__(self, experiment: str, run_name: str):
         from ray.util import metrics as ray_metrics
 
-        self.tags = {"run": run_name}
+        self.tags = {"experiment": experiment, "run": run_name}
         self.gauges = {
-            key: ray_metrics.Gauge(f"raygraph_{short.replace('/', '_per_')}", description=key, tag_keys=("run",))
+            key: ray_metrics.Gauge(f"raygraph_{short.replace('/', '_per_')}", description=key,
+                                   tag_keys=("experiment", "run"))
             for key, short in _HEADLINE.items()
         }
 
@@ -141,7 +146,7 @@ class Tracker:
             if self.sinks:
                 self.mlflow_run_id = self.sinks[-1].run_id
         if ray_metrics:
-            self._start_sink(lambda: _RayMetricsSink(run_name), "Ray metrics")
+            self._start_sink(lambda: _RayMetricsSink(experiment, run_name), "Ray metrics")
 
     def _start_sink(self, make, what: str) -> None:
         try:

@@ -9,8 +9,10 @@ Everything algorithm-specific lives in the workflow file; this loop never branch
 
 from __future__ import annotations
 
+import _thread
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +40,19 @@ class RunSummary:
 
 
 class _StopFlag:
-    """SIGTERM (`ray job stop`) or Ctrl-C: finish the current step, checkpoint, exit cleanly."""
+    """SIGTERM (`ray job stop`) or Ctrl-C: finish the current step, checkpoint, exit cleanly.
 
-    def __init__(self):
+    The step and its checkpoint get `timeout_s` (`trainer.stop_timeout_s`); past that, or on a
+    second signal, the main thread is interrupted and the run exits without a new checkpoint
+    (the newest complete one stays, see checkpoint.py). `ray job stop` SIGKILLs the driver
+    RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (Ray's default: 3 s); docs/cluster.md says how to set it.
+    """
+
+    def __init__(self, timeout_s: float):
         self.requested = False
+        self.timeout_s = timeout_s
         self._previous = {}
+        self._watchdog: threading.Timer | None = None
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -56,9 +66,20 @@ class _StopFlag:
         if self.requested:  # a second signal: stop now
             raise KeyboardInterrupt
         self.requested = True
-        log.warning("stop requested (signal %d): finishing this step, then checkpointing", signum)
+        log.warning("stop requested (signal %d): finishing this step, then checkpointing (at most %.0fs)",
+                    signum, self.timeout_s)
+        self._watchdog = threading.Timer(self.timeout_s, self._give_up)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _give_up(self):
+        log.warning("stop: no step boundary and checkpoint within %.0fs; exiting without a new checkpoint",
+                    self.timeout_s)
+        _thread.interrupt_main()
 
     def __exit__(self, *exc):
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -83,7 +104,7 @@ def _save(ctx: RunContext, roles, step: int, data: StepData, kl_ctl, weight_vers
         _role_state(roles, "save_checkpoint", ckpt.path)
         if ctx.cfg.checkpoint.save_hf:
             roles.policy.call("save_pretrained", str(ckpt.path / "hf"))  # every FSDP rank gathers
-    log.info("checkpoint written: %s", ckpt.final)
+    print(f"[raygraph] checkpoint written: {ckpt.final}", flush=True)
 
 
 def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
@@ -98,7 +119,7 @@ def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
     kl_ctl.load_state_dict(state["kl_controller"])
     version = int(state.get("weight_version", 0))
     roles.sync_weights_now(version=version)
-    log.info("resumed from %s (step %d)", ckpt_dir, state["step"])
+    print(f"[raygraph] resumed from {ckpt_dir} (step {state['step']})", flush=True)
     return int(state["step"]), version
 
 
@@ -157,7 +178,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
         if val_start is not None:
             print(f"[raygraph] validation accuracy before training: {val_start:.3f}", flush=True)
         val_end = val_start
-        with _StopFlag() as stop:
+        with _StopFlag(cfg.trainer.stop_timeout_s) as stop:
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                 t0 = time.perf_counter()
                 prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value)
@@ -167,15 +188,16 @@ def run(cfg, address: str | None = None) -> RunSummary:
                 metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
                 version = int(metrics.get("weights/version", version))
                 kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)
-                last = step == cfg.trainer.total_steps or stop.requested
+                stopping = stop.requested  # read once: a signal may land anywhere in this iteration
+                last = step == cfg.trainer.total_steps
                 if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
-                    metrics.update(_validate(ctx, Executor, roles, data))
+                    metrics.update(_validate(ctx, Executor, roles, data))  # skipped on a stop: checkpoint first
                     val_end = metrics.get("val/accuracy", val_end)
                 tracker.log(step, metrics)
                 steps_done = step
-                if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
                     _save(ctx, roles, step, data, kl_ctl, version)
-                if stop.requested:
+                if stopping:
                     stopped = True
                     break
         status = "KILLED" if stopped else "FINISHED"
