@@ -7,19 +7,19 @@ and answers in a few seconds.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
 
 EPILOG = """\
 exit codes:
   0  success (validate: the config is valid; check-env: no problems found)
   1  check-env found problems, or a command failed while running
   2  invalid config or command line (every config problem is printed)
-  3  the command is not available yet in this version of raygraph
 
 examples:
   raygraph validate configs/grpo_toy.yaml rollout.n=8 actor.optim.lr=3e-6
@@ -107,10 +107,17 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.overrides)
     if cfg is None:
         return EXIT_BAD_CONFIG
-    trainer = _optional_module("raygraph.trainer", "raygraph train", "the trainer")
-    if trainer is None:
-        return EXIT_UNAVAILABLE
-    trainer.run(cfg, address=args.address or cfg.trainer.ray_address)
+    from raygraph import trainer
+    from raygraph.cluster import PlacementError, RoleError, WeightSyncError
+
+    try:
+        trainer.run(cfg, address=args.address or cfg.trainer.ray_address)
+    except (PlacementError, RoleError, WeightSyncError, FileNotFoundError) as exc:
+        # Errors with a complete, actionable message: no traceback wall (RAYGRAPH_DEBUG=1 shows it).
+        if os.environ.get("RAYGRAPH_DEBUG"):
+            raise
+        print(f"raygraph train: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -121,9 +128,8 @@ def _check_env(args: argparse.Namespace) -> int:
 
 
 def _data_toy(args: argparse.Namespace) -> int:
-    toy = _optional_module("raygraph.data.toy", "raygraph data toy", "the toy dataset writer")
-    if toy is None:
-        return EXIT_UNAVAILABLE
+    from raygraph.data import toy
+
     train_path, val_path = toy.write_toy_dataset(args.out, n_train=args.n_train, n_val=args.n_val,
                                                  seed=args.seed)
     print(f"wrote {train_path} ({args.n_train} rows) and {val_path} ({args.n_val} rows)")
@@ -135,9 +141,8 @@ def _data_gsm8k(args: argparse.Namespace) -> int:
     if not source.is_file():
         print(f"raygraph data gsm8k: input file {source} does not exist", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    gsm8k = _optional_module("raygraph.data.gsm8k", "raygraph data gsm8k", "the GSM8K converter")
-    if gsm8k is None:
-        return EXIT_UNAVAILABLE
+    from raygraph.data import gsm8k
+
     out = Path(args.out)
     if out.suffix != ".parquet":
         out = out / f"{source.stem}.parquet"
@@ -145,19 +150,6 @@ def _data_gsm8k(args: argparse.Namespace) -> int:
     rows = gsm8k.convert_gsm8k(source, out)
     print(f"wrote {rows} rows to {out}")
     return EXIT_OK
-
-
-def _optional_module(name: str, command: str, what: str):
-    """Import `name`, or print that `command` is not available yet and return None."""
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
-            raise  # a dependency of the module is missing: a real error, not "not written yet"
-        print(f"{command} is not available yet: {what} is not implemented", file=sys.stderr)
-        return None
 
 
 if __name__ == "__main__":

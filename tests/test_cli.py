@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from raygraph import check_env as check_env_module
-from raygraph.cli import _optional_module, main
+from raygraph.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = str(ROOT / "configs" / "grpo_toy.yaml")
@@ -67,7 +67,7 @@ def test_help_documents_exit_codes(capsys):
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for line in ("0  success", "1  check-env found problems", "2  invalid config", "3  the command is not available"):
+    for line in ("0  success", "1  check-env found problems", "2  invalid config"):
         assert line in out
 
 
@@ -105,22 +105,9 @@ def test_check_env_counts_problems(monkeypatch):
     assert "no-such-gpu-package-raygraph is not installed" not in text
 
 
-def test_optional_module_reports_unwritten_modules(capsys):
-    assert _optional_module("raygraph.no_such_module", "raygraph thing", "the thing") is None
-    assert capsys.readouterr().err == "raygraph thing is not available yet: the thing is not implemented\n"
-    assert _optional_module("raygraph.config", "x", "y") is not None
-
-
 def test_train_checks_the_config_before_anything(capsys):
     assert main(["train", TOY, "actor.lr=1"]) == 2
     assert "did you mean actor.optim.lr?" in capsys.readouterr().err
-
-
-def test_train_not_available_without_the_trainer(monkeypatch, capsys):
-    # Pretend the trainer module is absent, whatever this checkout holds.
-    monkeypatch.setitem(sys.modules, "raygraph.trainer", None)
-    assert main(["train", TOY]) == 3
-    assert "raygraph train is not available yet: the trainer is not implemented" in capsys.readouterr().err
 
 
 def test_data_toy(tmp_path, capsys):

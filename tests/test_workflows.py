@@ -126,3 +126,14 @@ def test_tutorial_workflow_file_runs_and_matches_the_doc(shared_assets, tmp_path
     rows = read_metrics(run(cfg).run_dir)
     assert [r["step"] for r in rows] == [1, 2] and "actor/sft_loss" in rows[0]
     assert rows[-1]["weights/version"] == 2.0
+
+
+def test_impossible_placement_is_a_clear_error_not_a_hang(shared_assets, tmp_path, ray_local, capsys):
+    from raygraph.cli import main
+
+    code = main(["train", str(REPO / "configs" / "grpo_toy.yaml"),
+                 *toy_overrides(shared_assets, tmp_path, **{"placement.cpus_per_worker": 64,
+                                                            "placement.placement_timeout_s": 2})])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "PlacementError" in err and "64" in err and "Traceback" not in err
