@@ -69,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="DATASET")
     toy = data_commands.add_parser("toy", help="write train/val parquet for the toy arithmetic task")
     toy.add_argument("--out", required=True, help="output directory")
-    toy.add_argument("--n-train", type=int, default=2000, help="training prompts (default 2000)")
-    toy.add_argument("--n-val", type=int, default=200, help="validation prompts (default 200)")
+    toy.add_argument("--n-train", type=int, default=800, help="training problems (default 800)")
+    toy.add_argument("--n-val", type=int, default=100, help="held-out validation problems (default 100)")
+    toy.add_argument("--max-operand", type=int, default=29,
+                     help="operands are 0..MAX (default 29: 900 distinct problems); answer (a+b) mod 10")
     toy.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     toy.set_defaults(run=_data_toy)
     gsm8k = data_commands.add_parser("gsm8k", help="convert a local GSM8K file (jsonl or parquet) to parquet")
@@ -130,8 +132,12 @@ def _check_env(args: argparse.Namespace) -> int:
 def _data_toy(args: argparse.Namespace) -> int:
     from raygraph.data import toy
 
-    train_path, val_path = toy.write_toy_dataset(args.out, n_train=args.n_train, n_val=args.n_val,
-                                                 seed=args.seed)
+    try:
+        train_path, val_path = toy.write_toy_dataset(args.out, n_train=args.n_train, n_val=args.n_val,
+                                                     max_operand=args.max_operand, seed=args.seed)
+    except ValueError as exc:
+        print(f"raygraph data toy: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     print(f"wrote {train_path} ({args.n_train} rows) and {val_path} ({args.n_val} rows)")
     return EXIT_OK
 
