@@ -26,8 +26,9 @@ __all__ = [
     "PROMPT_IDS", "PROMPT_MASK", "RESPONSES", "RESPONSE_MASK", "RESPONSE_LENGTH",
     "ROLLOUT_LOGPROBS", "OLD_LOGPROBS", "REF_LOGPROBS", "ENTROPY", "VALUES",
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
-    "REWARD_BASELINES", "WEIGHT_VERSION", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
+    "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "RESPONSE_TEXT", "EXTRA_INFO",
+    "NEXT_PROMPTS",
 ]
 
 # --- tensor columns -------------------------------------------------------------------------
@@ -47,6 +48,7 @@ ADVANTAGES = "advantages"                # (B, R) float32
 RETURNS = "returns"                      # (B, R) float32
 REWARD_BASELINES = "reward_baselines"    # (B,)   float32, e.g. ReMax greedy-rollout score
 WEIGHT_VERSION = "weight_version"        # (B,)   int64, policy version that generated the row
+STALENESS = "staleness"                  # (B,)   int64, versions the row's weights lag the policy's
 REWARD_EXTRA_PREFIX = "reward_extra."    # (B,)   float32 columns, e.g. "reward_extra.acc"
 
 # --- supervised (SFT) rows: one sequence per row, no prompt/response split -------------------
@@ -61,6 +63,9 @@ GROUND_TRUTH = "ground_truth"
 PROMPT_TEXT = "prompt_text"  # the formatted prompt string (after the chat template)
 RESPONSE_TEXT = "response_text"
 EXTRA_INFO = "extra_info"
+
+# --- meta keys set by the driver --------------------------------------------------------------
+NEXT_PROMPTS = "next_prompts"  # async pipelining: {uids of a rank's share now: its share next step}
 
 
 def _as_object_array(values: Iterable[Any]) -> np.ndarray:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raygraph import steps
-from raygraph.batch import Batch
+from raygraph.batch import NEXT_PROMPTS, UID, Batch
 from raygraph.dag import InputNode, MultiOutputNode
 from raygraph.data import PromptDataset
 
@@ -75,12 +75,31 @@ class StepData:
             val = val_set.to_batch(list(range(n_val)), epoch="val")
         return cls(train, sampler, val)
 
-    def next_prompts(self, *, step: int, kl_coef: float) -> Batch:
-        """The next training batch; per-step values for whole-batch steps travel in `meta`."""
+    def next_prompts(self, *, step: int, kl_coef: float, lookahead_shares: int = 0) -> Batch:
+        """The next training batch; per-step values for whole-batch steps travel in `meta`.
+
+        Args:
+            step, kl_coef: per-step values put in `meta`.
+            lookahead_shares: k > 0 (asynchronous pipelining over k rollout ranks) also attaches
+                the NEXT step's prompts, split as the DAG splits a batch over k ranks
+                (`Batch.chunk_by_group(k)`): `meta[NEXT_PROMPTS] = {uids of rank r's share of
+                this batch: rank r's share of the next}`. The sampler stays where this batch left
+                it, so the next call returns those same prompts and a checkpoint taken after this
+                step resumes with the same data order.
+        """
+        batch = self._draw()
+        batch.meta.update(step=step, kl_coef=kl_coef)
+        if lookahead_shares:
+            position = self.sampler.state_dict()
+            upcoming = self._draw()
+            self.sampler.load_state_dict(position)
+            batch.meta[NEXT_PROMPTS] = {tuple(now[UID]): ahead for now, ahead in
+                                        zip(batch.chunk_by_group(lookahead_shares),
+                                            upcoming.chunk_by_group(lookahead_shares))}
+        return batch
+
+    def _draw(self) -> Batch:
         indices = self.sampler.next_indices()
         if isinstance(self.train, PromptDataset):  # uids must differ between epochs
-            batch = self.train.to_batch(indices, epoch=self.sampler.epoch)
-        else:
-            batch = self.train.to_batch(indices)
-        batch.meta.update(step=step, kl_coef=kl_coef)
-        return batch
+            return self.train.to_batch(indices, epoch=self.sampler.epoch)
+        return self.train.to_batch(indices)

@@ -22,6 +22,7 @@ from raygraph.batch import (
     REWARD_BASELINES,
     REWARD_EXTRA_PREFIX,
     ROLLOUT_LOGPROBS,
+    STALENESS,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
     UID,
@@ -31,7 +32,8 @@ from raygraph.batch import (
 )
 
 __all__ = ["compute_advantages", "rollout_metrics", "validation_metrics", "sequence_scores",
-           "attach_reward_baselines", "use_rollout_logprobs"]
+           "attach_reward_baselines", "use_rollout_logprobs", "truncated_importance_weights",
+           "off_policy_metrics"]
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -87,6 +89,61 @@ def use_rollout_logprobs(batch: Batch) -> Batch:
     (synchronous, fp32, no top-p/top-k): then the PPO ratio starts at 1, as it would anyway.
     """
     return batch.with_columns(**{OLD_LOGPROBS: batch[ROLLOUT_LOGPROBS]})
+
+
+def _behaviour_ratios(batch: Batch) -> torch.Tensor:
+    """(B, R) `pi_old / pi_rollout` per token; exactly 1 on rows of staleness 0 and on padding."""
+    stale = (batch[STALENESS] > 0)[:, None] & batch[RESPONSE_MASK].bool()
+    log_ratio = (batch[OLD_LOGPROBS] - batch[ROLLOUT_LOGPROBS]).float().clamp(max=20.0)  # exp stays finite
+    return torch.where(stale, log_ratio.exp(), torch.ones_like(log_ratio))
+
+
+def truncated_importance_weights(batch: Batch, *, cap: float) -> Batch:
+    """Correct rollouts sampled with older weights (asynchronous pipelining) by truncated IS.
+
+    The decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy
+    optimization"), as used for asynchronous LLM RL (Fu et al. 2025, AReaL): the policy loss
+    keeps its ratio `pi / pi_old`, `pi_old` (`old_logprobs`) being the policy before this update,
+    and each token is weighted by the behaviour ratio `pi_old / pi_rollout`, truncated at `cap`
+    (truncated importance sampling, Espeholt et al. 2018, IMPALA; Yao et al. 2025 for LLM
+    rollouts)::
+
+        w_t = min(exp(old_logprobs_t - rollout_logprobs_t), cap)     advantages_t <- w_t * advantages_t
+
+    With w >= 0, scaling a token's advantage scales its policy-loss term (ppo, with dual clip;
+    reinforce; gspo per token). Rows with `staleness` 0 were sampled with the current weights: their
+    w is exactly 1 (the two engines' log-probs differ only by numerics, which this does not correct).
+
+    Args:
+        batch: `advantages`, `old_logprobs`, `rollout_logprobs`, `response_mask` (B, R) and
+            `staleness` (B,).
+        cap: truncation (>= 1).
+    Returns:
+        `batch` with the weighted `advantages`.
+    """
+    ratio = _behaviour_ratios(batch)
+    return batch.with_columns(**{ADVANTAGES: batch[ADVANTAGES] * ratio.clamp(max=cap)})
+
+
+def off_policy_metrics(batch: Batch, *, cap: float) -> dict[str, float]:
+    """Staleness and importance weights of a step's rollouts (see `truncated_importance_weights`).
+
+    Returns:
+        `rollout/staleness` (mean over rows), `rollout/staleness_max`, and over all response
+        tokens (fresh rows count with weight 1) `rollout/is_weight_mean`, `rollout/is_weight_max`,
+        `rollout/is_clipfrac` (share of tokens whose ratio exceeded `cap`).
+    """
+    mask = batch[RESPONSE_MASK].bool()
+    ratio = _behaviour_ratios(batch)
+    weights = ratio.clamp(max=cap)[mask]
+    staleness = batch[STALENESS].float()
+    return {
+        "rollout/staleness": float(staleness.mean()),
+        "rollout/staleness_max": float(staleness.max()),
+        "rollout/is_weight_mean": float(weights.mean()) if weights.numel() else 1.0,
+        "rollout/is_weight_max": float(weights.max()) if weights.numel() else 1.0,
+        "rollout/is_clipfrac": _masked_mean((ratio > cap).float(), mask.long()),
+    }
 
 
 def attach_reward_baselines(batch: Batch, baseline_batch: Batch) -> Batch:

@@ -143,8 +143,11 @@ def run(cfg, address: str | None = None) -> RunSummary:
     from raygraph.roles_from_config import colocation, pools_for, role_specs
 
     started = time.perf_counter()
-    ctx = prepare_run(cfg)
     workflow = load_workflow(cfg.workflow)
+    if cfg.placement.max_staleness > workflow.max_staleness:
+        raise ValueError(f"placement.max_staleness={cfg.placement.max_staleness}, but workflow {cfg.workflow!r} "
+                         f"implements at most {workflow.max_staleness} (0: synchronous only)")
+    ctx = prepare_run(cfg)
     start_ray(cfg, address)
     data = StepData.load(cfg, workflow.data_format)
     specs = role_specs(cfg, workflow.roles)
@@ -173,6 +176,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
         # runs as one long task per actor)
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
         executor = Executor(workflow.build(roles, cfg), mode=mode)
+        lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
         val_start = _validate(ctx, Executor, roles, data).get("val/accuracy") if start_step == 0 else None
         roles.take_stage_timings()  # start the per-stage clocks at the first step
         if val_start is not None:
@@ -181,7 +185,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
         with _StopFlag(cfg.trainer.stop_timeout_s) as stop:
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                 t0 = time.perf_counter()
-                prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value)
+                prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
                 metrics = merge_outputs(executor.run(prompts))
                 metrics["timing/step_s"] = time.perf_counter() - t0
                 metrics.update(roles.take_stage_timings())

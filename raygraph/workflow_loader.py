@@ -21,14 +21,16 @@ class Workflow:
     """A loaded workflow: its `build(roles, cfg)` and what it needs from the trainer.
 
     A workflow module may declare `ROLES` (the roles its DAG binds; the reference role is added
-    by the trainer whenever the config uses a KL term) and `DATA_FORMAT` ("rl" prompts,
-    "sft" prompt/response pairs or "dpo" preference pairs).
+    by the trainer whenever the config uses a KL term), `DATA_FORMAT` ("rl" prompts,
+    "sft" prompt/response pairs or "dpo" preference pairs) and `MAX_STALENESS` (the largest
+    `placement.max_staleness` its DAG implements; 0, synchronous only, by default).
     """
 
     ref: str
     build: Callable
     roles: tuple[str, ...] = DEFAULT_ROLES
     data_format: str = "rl"
+    max_staleness: int = 0
 
 
 def workflow_names() -> list[str]:
@@ -67,4 +69,4 @@ def load_workflow(ref: str) -> Workflow:
     if not callable(build):
         raise ValueError(f"workflow {ref!r} has no callable {attr!r}")
     return Workflow(ref, build, tuple(getattr(module, "ROLES", DEFAULT_ROLES)),
-                    getattr(module, "DATA_FORMAT", "rl"))
+                    getattr(module, "DATA_FORMAT", "rl"), int(getattr(module, "MAX_STALENESS", 0)))

@@ -7,6 +7,12 @@ One step::
                                                          └─► reference.logprobs (only with a KL term)
     gather ─► advantages (whole batch: per-group normalisation) ─► policy.update ─► weight sync
 
+Asynchronous (`placement.max_staleness=1`, disaggregated placement only), one-step off-policy::
+
+    prompts ─► rollout.take_or_generate (sampled during the last update) ─► ... as above ...
+           ─► truncated IS ─► policy.update ─┐
+           └► rollout.prefetch_next (the next step's prompts, with the weights of now) ─┴► weight sync
+
 How this departs from the paper (all config, same file):
 - The advantage estimator is `algorithm.advantage`: `grpo` (paper), `dr_grpo` (no std division,
   Liu et al. 2025), or any other outcome estimator; loss aggregation is `actor.loss_agg`
@@ -15,6 +21,11 @@ How this departs from the paper (all config, same file):
   the reward (`algorithm.kl_in_reward.coef`), or absent (no reference role is started then).
 - One policy update per batch by default (`actor.ppo_epochs`, `actor.mini_batch_size`), so the
   clipped ratio only matters with several mini-batches or epochs.
+- Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
+  policy before the update (`old_logprobs`) and each token's advantage is weighted by
+  `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
+  `raygraph.steps.truncated_importance_weights`). The first step (or one after a resume with
+  nothing prefetched) samples synchronously.
 """
 
 from __future__ import annotations
@@ -23,12 +34,14 @@ from raygraph import steps
 from raygraph.dag import InputNode, MultiOutputNode
 
 ROLES = ("policy", "rollout", "reward")
+MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
 
 
 def build(roles, cfg, *, estimator: str | None = None):
     """Build the per-step DAG over existing role groups; `estimator` overrides the config's."""
+    pipelined = cfg.placement.max_staleness > 0
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts)
+        rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate", prompts)
         parts = [rollouts,
                  roles.reward.bind("score", rollouts),
                  roles.policy.bind("logprobs", rollouts)]
@@ -39,6 +52,17 @@ def build(roles, cfg, *, estimator: str | None = None):
             estimator=estimator or cfg.algorithm.advantage, gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
+        if not pipelined:
+            update = roles.policy.bind("update", batch)
+            sync = roles.sync_weights(after=update)
+            return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, batch)])
+
+        batch = roles.apply(steps.truncated_importance_weights, batch, cap=cfg.algorithm.is_cap)
+        metrics = [roles.apply(steps.rollout_metrics, batch),   # listed first: computed during the update
+                   roles.apply(steps.off_policy_metrics, batch, cap=cfg.algorithm.is_cap)]
         update = roles.policy.bind("update", batch)
-        sync = roles.sync_weights(after=update)
-        return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, batch)])
+        # The rollout ranks sample the next step while the policy trains, and receive the new
+        # weights only after that (a data dependency: the sync waits for both).
+        ahead = roles.rollout.bind("prefetch_next", prompts)
+        sync = roles.sync_weights(after=roles.gather(update, ahead))
+        return MultiOutputNode([*metrics, roles.gather(update), sync])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from workflows import grpo
 
 ROLES = grpo.ROLES
+MAX_STALENESS = grpo.MAX_STALENESS
 
 
 def build(roles, cfg):

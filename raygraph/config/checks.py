@@ -96,6 +96,9 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
     if place.max_staleness > 0 and place.mode != "disaggregated":
         problems.append(f"placement.max_staleness={place.max_staleness} needs placement.mode=disaggregated: "
                         "colocated roles share devices and run one after another, so rollouts cannot run ahead")
+    if place.max_staleness > 1:
+        problems.append(f"placement.max_staleness={place.max_staleness}: only 0 (synchronous) and 1 (rollouts "
+                        "sampled one step ahead, during the previous update) are implemented")
     if place.mode == "colocated" and place.rollout_workers != place.train_workers:
         problems.append(f"placement.mode=colocated runs one rollout engine beside each training rank, so "
                         f"placement.rollout_workers ({place.rollout_workers}) must equal "

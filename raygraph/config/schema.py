@@ -53,8 +53,9 @@ class ModelConfig(_Section):
 
 
 class ToyDataConfig(_Section):
-    n_train: int = Field(2000, ge=1, description="Training prompts to generate.")
-    n_val: int = Field(200, ge=1, description="Held-out validation prompts to generate.")
+    n_train: int = Field(80, ge=1, description="Training problems to generate (distinct from validation).")
+    n_val: int = Field(20, ge=1, description="Held-out validation problems to generate; the default task "
+                       "has 100 problems in all (task_args.max_operand raises that).")
     seed: int = Field(0, description="Seed of the toy-task generator.")
     task_args: dict = Field(default_factory=dict, description="Extra keyword arguments for "
                                                               "raygraph.data.toy.write_toy_dataset.")
@@ -218,6 +219,9 @@ class AlgorithmConfig(_Section):
                                            description="KL penalty folded into the reward.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature beta.")
     dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name.")
+    is_cap: float = Field(2.0, ge=1.0, description="Asynchronous pipelining (placement.max_staleness > 0): "
+                                                   "each token of a stale rollout has its advantage weighted "
+                                                   "by min(pi_old / pi_rollout, is_cap) (truncated IS).")
 
 
 class PoolConfig(_Section):
@@ -245,7 +249,8 @@ class PlacementConfig(_Section):
     weight_sync_timeout_s: float = Field(60.0, gt=0, description="Give up on a weight sync after this long.")
     weight_bucket_mb: int = Field(64, ge=1, description="Size of one weight-sync bucket.")
     max_staleness: int = Field(0, ge=0, description="Rollouts may lag the policy by this many versions "
-                                                    "(async pipelining); 0 = synchronous.")
+                                                    "(async pipelining); 0 = synchronous, 1 = the next "
+                                                    "step's rollouts are sampled during this step's update.")
 
 
 class WarmStartConfig(_Section):

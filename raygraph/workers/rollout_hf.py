@@ -15,10 +15,16 @@ assumes:
 
 Sampling draws from one `torch.Generator` per worker, seeded with `seed`: the same seed,
 weights and call sequence give the same samples. Give each data-parallel rank its own seed.
+
+Asynchronous pipelining (one-step off-policy): `prefetch_next` samples the next step's rollouts
+with the weights held now and keeps them; `take_or_generate` hands them over one step later
+(or samples now when nothing matching was prefetched). The kept rollouts are part of the
+checkpoint, so a resumed run continues with exactly the rollouts it would have used.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -26,6 +32,7 @@ import numpy as np
 import torch
 
 from raygraph.batch import (
+    NEXT_PROMPTS,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_LENGTH,
@@ -33,6 +40,8 @@ from raygraph.batch import (
     RESPONSE_TEXT,
     RESPONSES,
     ROLLOUT_LOGPROBS,
+    STALENESS,
+    UID,
     WEIGHT_VERSION,
     Batch,
 )
@@ -43,6 +52,7 @@ from raygraph.workers.distributed import default_device
 __all__ = ["HFRolloutWorker", "filter_top_k_top_p"]
 
 Tensor = torch.Tensor
+_PREFETCH_SLOTS = 2  # kept prefetches: the next step's, and the current one if it is not taken yet
 
 
 def filter_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -99,22 +109,28 @@ class HFRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *eos, *stop_token_ids} - {None})
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._weight_version = 0
+        self._prefetched: dict[tuple[str, ...], Batch] = {}  # prompt uids -> their rollouts
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling generator from `seed` (the trainer gives each rank its own)."""
         self.generator.manual_seed(seed)
 
     def save_checkpoint(self, path: str | Path) -> None:
-        """The sampling generator's state; the weights come back from the policy on resume."""
+        """The sampling generator's state and any prefetched rollouts; the weights come back from
+        the policy on resume."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"generator": self.generator.get_state(), "weight_version": self._weight_version},
                    path / "rollout_state.pt")
+        if self._prefetched:  # Batches hold numpy object columns: pickled (our own checkpoint files)
+            (path / "prefetched.pkl").write_bytes(pickle.dumps(list(self._prefetched.items())))
 
     def load_checkpoint(self, path: str | Path) -> None:
         state = torch.load(Path(path) / "rollout_state.pt", weights_only=True)
         self.generator.set_state(state["generator"])
         self._weight_version = int(state["weight_version"])
+        kept = Path(path) / "prefetched.pkl"
+        self._prefetched = dict(pickle.loads(kept.read_bytes())) if kept.is_file() else {}
 
     @property
     def weight_version(self) -> int:
@@ -196,6 +212,44 @@ class HFRolloutWorker:
             probs = torch.softmax(filter_top_k_top_p(scaled, self.top_k, self.top_p), dim=-1)
             token = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+    # ------------------------------------------------------------------------------ pipelining
+    def prefetch(self, prompts: Batch) -> int:
+        """Sample rollouts for `prompts` now, with the weights held now, and keep them for
+        `take_or_generate`. Returns the number of rows kept."""
+        self._prefetched[tuple(prompts[UID])] = self.generate(prompts)
+        while len(self._prefetched) > _PREFETCH_SLOTS:
+            self._prefetched.pop(next(iter(self._prefetched)))  # the oldest: it will not be asked for
+        return len(self._prefetched[tuple(prompts[UID])])
+
+    def prefetch_next(self, batch: Batch) -> dict[str, float]:
+        """`prefetch` the share of the NEXT step's prompts that this rank will receive.
+
+        Args:
+            batch: this rank's share of the current step's prompts; the driver put the next step's
+                shares in `batch.meta[NEXT_PROMPTS]` as `{uids of a share now: the same rank's
+                share next step}` (see `raygraph.step_io.StepData.next_prompts`).
+
+        Returns:
+            `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).
+        """
+        upcoming = (batch.meta.get(NEXT_PROMPTS) or {}).get(tuple(batch[UID]))
+        return {"rollout/prefetched": float(self.prefetch(upcoming) if upcoming is not None else 0)}
+
+    def take_or_generate(self, batch: Batch) -> Batch:
+        """This step's rollouts: the ones prefetched for exactly these prompts, else sampled now.
+
+        Returns:
+            what `generate(batch)` returns (with `batch.meta`, less `NEXT_PROMPTS`), plus
+            `staleness` `(B*n,)`: how many versions the weights that sampled each row lag the
+            weights held now, which are the policy's (every step ends with a weight sync).
+        """
+        rollouts = self._prefetched.pop(tuple(batch[UID]), None)
+        if rollouts is None:
+            rollouts = self.generate(batch)
+        out = rollouts.with_columns(**{STALENESS: self._weight_version - rollouts[WEIGHT_VERSION]})
+        out.meta = {k: v for k, v in batch.meta.items() if k != NEXT_PROMPTS}
+        return out
 
     # ------------------------------------------------------------------------------ weights
     @torch.no_grad()
