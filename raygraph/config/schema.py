@@ -278,7 +278,8 @@ class TrainerConfig(_Section):
         "compiled", description="Run the workflow DAG as a Ray compiled graph or interpreted.")
     profile: bool = Field(False, description="Record per-stage timings and a trace.")
     ray_address: str | None = Field(None, description="Ray cluster to join; null = start a local Ray.")
-    stop_timeout_s: float = Field(60.0, gt=0, description="Grace period for actors to stop at exit.")
+    stop_timeout_s: float = Field(60.0, gt=0, description="After a stop signal (ray job stop, Ctrl-C): time "
+                                  "allowed to finish the step and write a checkpoint before exiting.")
     warm_start: WarmStartConfig | None = Field(None, description="Optional SFT stage before RL.")
 
 
