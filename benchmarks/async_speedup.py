@@ -1,13 +1,14 @@
 """Step time of synchronous vs asynchronous (one-step off-policy) GRPO, disaggregated: prints JSON.
 
-    .venv/bin/python benchmarks/async_speedup.py --steps 12 --repeats 3 [key=value ...]
+    .venv/bin/python benchmarks/async_speedup.py --steps 25 --repeats 4 [key=value ...]
 
 Both modes run the same config (`configs/toy/grpo_kl_loss.yaml`: policy + reference on one
 worker, rollout + reward on another) with `placement.max_staleness` 0 and 1, alternating
 (sync, async, sync, ...) so that load from other jobs hits both alike. The defaults make sampling
-and training comparable in cost (8 prompts x 8 samples of 16 tokens), which is where overlapping
-them can pay. Statistics skip the first `--warmup` steps of each run (the first asynchronous
-step samples synchronously). Trainer output goes to stderr; stdout is the JSON.
+and training comparable in cost (8 prompts x 8 samples of 64 tokens), which is where overlapping
+them can pay; `speedup_bound_from_sync_stages` says what overlap could give at most. Statistics
+skip the first `--warmup` steps of each run (the first asynchronous step samples synchronously).
+Trainer output goes to stderr; stdout is the JSON.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_time import measure  # noqa: E402 - the shared single-run measurement
 
 CONFIG = "configs/toy/grpo_kl_loss.yaml"
-DEFAULTS = ["data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=16"]
+DEFAULTS = ["data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=64"]
 STAGES = ("rollout.generate", "rollout.take_or_generate", "rollout.prefetch_next", "reward.score",
           "policy.logprobs", "reference.logprobs", "policy.update")
 
@@ -48,9 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides for both modes")
     parser.add_argument("--config", default=CONFIG)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     overrides = [*DEFAULTS, *args.overrides]
     runs: dict[int, list[dict]] = {0: [], 1: []}
