@@ -112,6 +112,9 @@ def start_ray(cfg, address: str | None) -> None:
         runtime_env = {"env_vars": {k: v for k, v in ACTOR_ENV.items() if k not in taken}}
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
+    # Ray starts workers at niceness 15 by default; on a busy machine the actors doing the compute
+    # then lose the CPU to Ray's own daemons (measured in docs/benchmarks.md).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     p = cfg.placement
     workers = p.train_workers + (p.rollout_workers if p.mode == "disaggregated" else 0)
     # Logical CPUs may exceed physical cores so that small CPU layouts fit on a laptop.

@@ -275,7 +275,9 @@ class TrainerConfig(_Section):
     val_every: int = Field(0, ge=0, description="Validate every N steps; 0 = only at start and end.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 = only at the end.")
     executor: Literal["compiled", "interpreted"] = Field(
-        "compiled", description="Run the workflow DAG as a Ray compiled graph or interpreted.")
+        "interpreted", description="Run the workflow DAG interpreted (default: Ray tasks in dependency "
+        "order) or as a Ray compiled graph (lower per-step latency, but its readers busy-wait: on "
+        "few CPU cores that steals compute; see docs/benchmarks.md).")
     profile: bool = Field(False, description="Record per-stage timings and a trace.")
     ray_address: str | None = Field(None, description="Ray cluster to join; null = start a local Ray.")
     stop_timeout_s: float = Field(60.0, gt=0, description="After a stop signal (ray job stop, Ctrl-C): time "
