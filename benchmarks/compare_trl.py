@@ -14,7 +14,8 @@ Needs the `bench` extra (`pip install -e '.[bench]'`, i.e. TRL). Both sides get:
 * GRPO advantages (group mean and std), a token-mean clipped policy loss, a k3 KL loss term
   with coefficient 0.04 against a frozen reference model, AdamW at a constant lr of 1e-6, one
   optimizer step per batch (TRL: `steps_per_generation=1`, `num_iterations=1`; raygraph: the
-  whole batch is one mini-batch and one micro-batch).
+  whole batch is one mini-batch and one micro-batch), no gradient checkpointing (TRL's
+  `GRPOConfig` turns it on by default; raygraph's `model.gradient_checkpointing` is off).
 
 raygraph runs as shipped (`benchmarks/step_time.py`: `raygraph train`, colocated, actors with
 OMP_NUM_THREADS=1), once per executor in `--executors`. TRL runs in one process on the CPU
@@ -143,7 +144,10 @@ def trl_worker(model_path: str, steps: int, warmup: int, threads: int, dtype: st
             num_generations=8, steps_per_generation=1, num_iterations=1, max_completion_length=16,
             temperature=1.0, beta=0.04, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
             max_grad_norm=1.0, loss_type="dapo", scale_rewards="group", dataloader_num_workers=0,
-            disable_tqdm=True, bf16=dtype == "bfloat16")   # GRPOConfig's default is bf16=True
+            disable_tqdm=True,
+            # identical work: GRPOConfig defaults to bf16=True and gradient_checkpointing=True;
+            # raygraph computes in model.dtype and checkpoints only with model.gradient_checkpointing
+            bf16=dtype == "bfloat16", gradient_checkpointing=False)
         clock = StepClock()
         trainer = Timed(model=model_path, reward_funcs=_toy_reward, args=config, train_dataset=dataset,
                         callbacks=[clock])

@@ -33,6 +33,8 @@ Variants of the lower bound (`--variants`):
 OMP_NUM_THREADS=1, so 1 is the like-for-like comparison). Two knobs change only the paired
 raygraph side, to find where time goes: `--actor-threads N` (the actors' OMP_NUM_THREADS, through
 `build_roles(env_vars=...)`) and `--no-dashboard` (local Ray without the dashboard processes).
+Ray starts worker processes at niceness 15; `RAY_worker_niceness=0` in the environment starts
+them at 0 (docs/benchmarks.md, section 1).
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ from pathlib import Path
 
 import torch
 
-STAGES = ("rollout.generate", "reward.score", "policy.logprobs", "reference.logprobs",
-          "apply_compute_advantages", "policy.update", "rollout.load_weights", "apply_rollout_metrics")
-
 
 def _load_cfg(config: str, overrides: list[str], out_dir: str):
     from raygraph.config import load_config
@@ -63,8 +62,9 @@ def _load_cfg(config: str, overrides: list[str], out_dir: str):
     p = cfg.placement
     if p.train_workers != 1 or (p.mode == "disaggregated" and p.rollout_workers != 1):
         raise SystemExit("lower_bound.py runs one process: use placement.train_workers=1 (and rollout_workers=1)")
-    if cfg.workflow != "grpo":
-        raise SystemExit(f"lower_bound.py reproduces the GRPO step; the config runs {cfg.workflow!r}")
+    if cfg.workflow != "grpo" or p.max_staleness:
+        raise SystemExit("lower_bound.py reproduces the synchronous GRPO step (workflow grpo, "
+                         "placement.max_staleness=0)")
     return cfg
 
 
