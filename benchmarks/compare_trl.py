@@ -6,7 +6,7 @@
 Needs the `bench` extra (`pip install -e '.[bench]'`, i.e. TRL). Both sides get:
 
 * the same random-init Qwen2 model and character tokenizer, built locally with
-  `raygraph.models.tiny.build_tiny_lm` (size "25m": ~25M parameters; "tiny": ~0.1M), computing
+  `raygraph.models.tiny.build_tiny_lm` (size "25m": 18.9M parameters; "tiny": 80k), computing
   in float32 (`--dtype bfloat16`: TRL's bf16 autocast, which `GRPOConfig` turns on by default,
   against raygraph's `model.dtype=bfloat16`);
 * the same prompts (the toy task's training parquet, chat template applied), 8 prompts x 8
