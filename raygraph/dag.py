@@ -17,6 +17,10 @@ a sharded value goes rank-to-rank when world sizes match and is re-split otherwi
 shard travels between actors by object reference. The driver sends the input and receives only
 the outputs (small dicts), never a batch; `Executor.last_driver_bytes` measures it.
 
+When every role step runs in ONE actor (colocated roles, one rank), the plan is fused into a
+single step on that actor (`fuse_single_actor`): the coordinator's work runs there too and the
+intermediate values never leave its memory, so a step costs one task, not one per node.
+
 Two executors run the same plan: "interpreted" submits `.remote()` calls in dependency order
 (every step also returns a tiny status, so the first failure anywhere is raised at once as a
 `RoleError`), "compiled" lowers the plan to a Ray Compiled Graph (`experimental_compile`).
@@ -34,7 +38,7 @@ from typing import Any
 
 import ray
 import ray.dag as rdag
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError
 
 from raygraph.cluster import steps as S
 from raygraph.cluster.errors import CallSite, RoleError, to_role_error, wait_calls
@@ -42,7 +46,7 @@ from raygraph.cluster.errors import CallSite, RoleError, to_role_error, wait_cal
 __all__ = ["InputNode", "MultiOutputNode", "Executor", "DAGNode", "CallNode", "GatherNode",
            "ApplyNode", "SyncNode", "Plan", "lower"]
 
-INPUT = ("input", 0)
+INPUT = S.INPUT
 EXECUTOR_MODES = ("interpreted", "compiled")
 _COMPILED_ACTORS: dict[str, int] = {}   # actor id hex -> id() of the live compiled Executor using it
 
@@ -145,8 +149,12 @@ class Plan:
     ops: list[PhysOp] = field(default_factory=list)
     outputs: list[tuple] = field(default_factory=list)
     sites: dict[str, CallSite] = field(default_factory=dict)   # actor id hex -> site
+    fused: bool = False   # one step that runs the whole plan in one actor (`fuse_single_actor`)
 
     def describe(self) -> str:
+        if self.fused:
+            subs = self.ops[0].step.extra["ops"]
+            return f"fused into {self.ops[0].site.actor_name}: " + ", ".join(sub.label for sub, _, _ in subs)
         return "\n".join(f"{op.id}: {op.site.actor_name or op.site.role} {op.step.label} <- {op.inputs}"
                          for op in self.ops)
 
@@ -254,8 +262,12 @@ class _Lowerer:
         return []
 
 
-def lower(dag: MultiOutputNode) -> Plan:
-    """The physical plan of `dag` (steps in dependency order)."""
+def lower(dag: MultiOutputNode, *, fuse: bool = True) -> Plan:
+    """The physical plan of `dag` (steps in dependency order).
+
+    With `fuse`, a plan whose role steps all run on ONE actor (colocated roles, one rank) becomes
+    one step on that actor that runs every step in-process (`fuse_single_actor`).
+    """
     if not isinstance(dag, MultiOutputNode):
         dag = MultiOutputNode([dag])
     low = _Lowerer()
@@ -264,7 +276,29 @@ def lower(dag: MultiOutputNode) -> Plan:
         raise ValueError("the DAG does not use its InputNode")
     if low.roles is None:
         raise ValueError("the DAG uses no role group")
-    return low.plan
+    return fuse_single_actor(low.plan) if fuse else low.plan
+
+
+def fuse_single_actor(plan: Plan) -> Plan:
+    """`plan` as ONE step on its only role actor, if all its role steps run on one actor.
+
+    The coordinator's steps (scatter, gather, apply, the sync's combine) then run in that actor
+    too, and every intermediate value stays in its memory: one task per step instead of one per
+    node, no object-store copies, and the driver still sends the input and gets the outputs.
+    Plans touching several role actors are returned unchanged.
+    """
+    role_ops = [op for op in plan.ops if op.step.op not in S.WHOLE_OPS]
+    if not role_ops or len({op.actor._actor_id for op in role_ops}) != 1:
+        return plan
+    host = role_ops[0]
+    subs = tuple((op.step, tuple(op.inputs), tuple((op.id, i) for i in range(op.step.n_out)))
+                 for op in plan.ops)
+    step = S.Step("plan", method="fused", n_out=len(plan.outputs),
+                  extra={"ops": subs, "outputs": tuple(plan.outputs)})
+    fused = Plan(sites={host.actor._actor_id.hex(): host.site}, fused=True)
+    fused.ops.append(PhysOp(0, host.actor, step, [INPUT], host.site))
+    fused.outputs = [(0, i) for i in range(step.n_out)]
+    return fused
 
 
 # --- executors -------------------------------------------------------------------------------------
@@ -276,6 +310,8 @@ class Executor:
         mode: "interpreted" (default: `.remote()` calls in dependency order, fail-fast errors)
             or "compiled" (Ray Compiled Graph).
         timeout_s: bound on one run (None: unbounded).
+        fuse: run a plan whose role steps all live in one actor as one task there
+            (`fuse_single_actor`; off only to see every stage as its own Ray task, for profiling).
 
     Attributes:
         last_driver_bytes: serialized bytes of what the driver received in the last run.
@@ -283,11 +319,12 @@ class Executor:
         last_run_s: wall time of the last run.
     """
 
-    def __init__(self, dag: DAGNode, mode: str = "interpreted", timeout_s: float | None = None):
+    def __init__(self, dag: DAGNode, mode: str = "interpreted", timeout_s: float | None = None,
+                 fuse: bool = True):
         if mode not in EXECUTOR_MODES:
             raise ValueError(f"executor mode must be one of {EXECUTOR_MODES}, got {mode!r}")
         self.mode, self.timeout_s = mode, timeout_s
-        self.plan = lower(dag)
+        self.plan = lower(dag, fuse=fuse)
         self.last_driver_bytes = self.last_input_bytes = 0
         self.last_run_s = 0.0
         self._compiled = self._compile() if mode == "compiled" else None
@@ -359,8 +396,9 @@ class Executor:
     def _run_compiled(self, x: Any) -> list[Any]:
         ref = self._compiled.execute(x)
         try:
-            outs = ray.get(ref, timeout=self.timeout_s)
-        except GetTimeoutError:
+            # None would let Ray apply RAY_CGRAPH_get_timeout (10 s); -1 blocks.
+            outs = ray.get(ref, timeout=-1 if self.timeout_s is None else self.timeout_s)
+        except (GetTimeoutError, RayChannelTimeoutError):
             raise RoleError(CallSite("compiled graph", -1), "run", "",
                             f"no result within {self.timeout_s}s") from None
         except RayActorError as exc:

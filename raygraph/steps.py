@@ -47,7 +47,8 @@ def sequence_scores(batch: Batch) -> torch.Tensor:
 
 
 def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: float = 1.0,
-                       lam: float = 1.0, eps: float = 1e-6, kl_kind: str = "k1") -> Batch:
+                       lam: float = 1.0, eps: float = 1e-6, kl_kind: str = "k1",
+                       old_from_rollout: bool = False) -> Batch:
     """Rewards (minus the in-reward KL penalty) → advantages and returns, over the whole batch.
 
     Args:
@@ -57,10 +58,14 @@ def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: f
         prompts: the step's input batch; `prompts.meta["kl_coef"]` (default 0) is the KL-in-reward
             coefficient chosen by the driver's KL controller for this step.
         estimator: a name from `raygraph.algos.advantages.names()`.
+        old_from_rollout: take `old_logprobs` from `rollout_logprobs` (`use_rollout_logprobs`)
+            first, for a workflow that skips the `policy.logprobs` pass (`actor.old_logprobs=rollout`).
     Returns:
         `batch` plus `token_level_rewards`, `advantages`, `returns`; `meta["kl_in_reward"]` holds
         the batch's mean KL (for the adaptive controller).
     """
+    if old_from_rollout:
+        batch = use_rollout_logprobs(batch)
     mask = batch[RESPONSE_MASK]
     rewards = batch[TOKEN_LEVEL_SCORES].float()
     kl_coef = float(prompts.meta.get("kl_coef", 0.0))
@@ -163,7 +168,10 @@ def _reward_summary(batch: Batch, prefix: str) -> dict[str, float]:
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
-    """Per-step numbers about the batch: reward, lengths, advantage range, staleness checks."""
+    """Per-step numbers about the batch: reward, lengths, advantage range, weight versions.
+
+    (`rollout/logprob_diff_max`, the rollout engine's log-probs against the policy's, comes from
+    `PolicyWorker.update`, which computes the policy's anyway.)"""
     mask = batch[RESPONSE_MASK]
     lengths = batch[RESPONSE_LENGTH].float() if RESPONSE_LENGTH in batch else mask.sum(-1).float()
     out = _reward_summary(batch, "reward")
@@ -179,9 +187,6 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         valid = batch[ADVANTAGES][mask.bool()]
         out["actor/advantage_mean"] = float(valid.mean()) if valid.numel() else 0.0
         out["actor/advantage_abs_max"] = float(valid.abs().max()) if valid.numel() else 0.0
-    if ROLLOUT_LOGPROBS in batch and OLD_LOGPROBS in batch:
-        diff = (batch[ROLLOUT_LOGPROBS] - batch[OLD_LOGPROBS]).abs() * mask
-        out["rollout/logprob_diff_max"] = float(diff.max())
     if WEIGHT_VERSION in batch:
         out["weights/rollout_version_min"] = float(batch[WEIGHT_VERSION].min())
     for key in ("kl_in_reward", "kl_coef"):

@@ -172,10 +172,10 @@ def run(cfg, address: str | None = None) -> RunSummary:
                           console=cfg.logging.console)
         if tracker.mlflow_run_id:
             print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
-        # profile: interpreted, so that every stage is a Ray task in the timeline (a compiled graph
-        # runs as one long task per actor)
+        # profile: interpreted and unfused, so that every stage is a Ray task in the timeline (a
+        # compiled graph runs as one long task per actor, a fused plan as one task per step)
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
-        executor = Executor(workflow.build(roles, cfg), mode=mode)
+        executor = Executor(workflow.build(roles, cfg), mode=mode, fuse=not cfg.trainer.profile)
         lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
         val_start = _validate(ctx, Executor, roles, data).get("val/accuracy") if start_step == 0 else None
         roles.take_stage_timings()  # start the per-stage clocks at the first step

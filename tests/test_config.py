@@ -282,6 +282,8 @@ DISAGG = "placement.mode=disaggregated"
     (("reward.kind=model",), "reward.kind='model' needs reward.model_path"),
     (("reward.kind=remote",), "reward.kind='remote' needs reward.remote.url"),
     (("placement.max_staleness=1",), "placement.max_staleness=1 needs placement.mode=disaggregated"),
+    ((DISAGG, "placement.max_staleness=1", "actor.old_logprobs=rollout"),
+     "actor.old_logprobs=rollout needs placement.max_staleness=0"),
     (("placement.rollout_workers=2",), "placement.mode=colocated runs one rollout engine beside each training "
                                        "rank, so placement.rollout_workers (2) must equal placement.train_workers (1)"),
     (("rollout.engine=vllm",), "rollout.engine='vllm' runs on GPUs only"),
@@ -301,6 +303,20 @@ def test_ppo_workflow_fixes_its_estimator():
     cfg = build_config(MINIMAL, ["workflow=ppo", "rollout.n=1"])
     assert cfg.advantage_estimator == "gae" and cfg.uses_critic
     assert not build_config(MINIMAL).uses_critic
+
+
+def test_old_logprobs_pass_is_skipped_only_for_one_on_policy_step():
+    def source(*overrides):
+        return build_config(MINIMAL, list(overrides)).old_logprobs_source
+
+    assert source() == "update"                                     # one epoch, one mini-batch
+    assert source("actor.mini_batch_size=32") == "update"           # = the whole batch (8 x 4)
+    assert source("actor.mini_batch_size=16") == "recompute"        # two optimizer steps
+    assert source("actor.ppo_epochs=2") == "recompute"
+    assert source("algorithm.kl_in_reward.coef=0.1") == "recompute"  # the KL penalty needs them first
+    assert source(DISAGG, "placement.max_staleness=1") == "recompute"  # truncated IS needs pi_old
+    assert source("actor.mini_batch_size=16", "actor.old_logprobs=rollout") == "rollout"
+    assert source("actor.old_logprobs=recompute") == "recompute"
 
 
 def test_reference_is_automatic():

@@ -54,6 +54,8 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
         assert {"reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/logprob_diff_max"} <= rows[0].keys()
         # the rollout's own log-probs and the policy's recomputation agree (same weights, fp32)
         assert rows[0]["rollout/logprob_diff_max"] < 1e-4
+        # a separate old-log-prob pass runs only where the config needs one
+        assert ("timing/policy.logprobs_s" in rows[0]) == (cfg.old_logprobs_source == "recompute")
     else:
         assert rows[0][f"actor/{cfg.data.format}_loss"] > 0
     ckpt = summary.run_dir / "checkpoints" / "step_2"
@@ -81,6 +83,23 @@ def test_resume_continues_exactly(shared_assets, tmp_path, ray_local):
                     "weights/version", "val/accuracy"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def test_old_logprobs_sources_agree_over_several_optimizer_steps(shared_assets, tmp_path, ray_local):
+    """Two mini-batches per step: old log-probs recomputed by policy.logprobs or taken from the
+    rollout give the same training (synchronous, fp32: they differ by float rounding only)."""
+    from raygraph.trainer import run
+
+    rows = {}
+    for source in ("recompute", "rollout"):
+        cfg = load_config(REPO / "configs" / "grpo_toy.yaml", toy_overrides(
+            shared_assets, tmp_path / source, **{"actor.mini_batch_size": 8, "actor.old_logprobs": source}))
+        rows[source] = read_metrics(run(cfg).run_dir)
+        assert ("timing/policy.logprobs_s" in rows[source][0]) == (source == "recompute")
+        assert rows[source][0]["rollout/logprob_diff_max"] < 1e-4
+    for a, b in zip(rows["recompute"], rows["rollout"]):
+        for key in ("reward/mean", "actor/pg_loss", "actor/clipfrac", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
 
 
 CUSTOM_WORKFLOW = '''

@@ -3,7 +3,7 @@
 One step::
 
     prompts ─► rollout.generate (n samples per prompt) ─┬─► reward.score
-                                                         ├─► policy.logprobs   (old_logprobs, entropy)
+                                                         ├─► policy.logprobs   (old_logprobs; see below)
                                                          └─► reference.logprobs (only with a KL term)
     gather ─► advantages (whole batch: per-group normalisation) ─► policy.update ─► weight sync
 
@@ -20,7 +20,8 @@ How this departs from the paper (all config, same file):
 - KL to the reference is in the loss (`actor.kl_loss_coef`, k3 by default, as in the paper) or in
   the reward (`algorithm.kl_in_reward.coef`), or absent (no reference role is started then).
 - One policy update per batch by default (`actor.ppo_epochs`, `actor.mini_batch_size`), so the
-  clipped ratio only matters with several mini-batches or epochs.
+  clipped ratio only matters with several mini-batches or epochs; with one, the old log-probs are
+  the update's own (detached) and `policy.logprobs` is not run (`actor.old_logprobs`, auto).
 - Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
   policy before the update (`old_logprobs`) and each token's advantage is weighted by
   `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from raygraph import steps
 from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.workflow_parts import rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
 MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
@@ -42,14 +44,10 @@ def build(roles, cfg, *, estimator: str | None = None):
     pipelined = cfg.placement.max_staleness > 0
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate", prompts)
-        parts = [rollouts,
-                 roles.reward.bind("score", rollouts),
-                 roles.policy.bind("logprobs", rollouts)]
-        if "reference" in roles.names():
-            parts.append(roles.reference.bind("logprobs", rollouts))
         batch = roles.apply(
-            steps.compute_advantages, roles.gather(*parts), prompts,
-            estimator=estimator or cfg.algorithm.advantage, gamma=cfg.algorithm.gamma,
+            steps.compute_advantages, roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts)), prompts,
+            estimator=estimator or cfg.algorithm.advantage, old_from_rollout=cfg.old_logprobs_source == "rollout",
+            gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         if not pipelined:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from raygraph import steps
 from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.workflow_parts import rollout_columns
 
 ROLES = ("policy", "rollout", "reward", "critic")
 
@@ -26,14 +27,10 @@ ROLES = ("policy", "rollout", "reward", "critic")
 def build(roles, cfg):
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("generate", prompts)
-        parts = [rollouts,
-                 roles.reward.bind("score", rollouts),
-                 roles.policy.bind("logprobs", rollouts),
-                 roles.critic.bind("values", rollouts)]
-        if "reference" in roles.names():
-            parts.append(roles.reference.bind("logprobs", rollouts))
+        parts = [rollouts, *rollout_columns(roles, cfg, rollouts), roles.critic.bind("values", rollouts)]
         batch = roles.apply(
             steps.compute_advantages, roles.gather(*parts), prompts, estimator="gae",
+            old_from_rollout=cfg.old_logprobs_source == "rollout",
             gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         critic_update = roles.critic.bind("update", batch)

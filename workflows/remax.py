@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from raygraph import steps
 from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.workflow_parts import rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
 
@@ -24,14 +25,11 @@ def build(roles, cfg):
         rollouts = roles.rollout.bind("generate", prompts)
         greedy = roles.rollout.bind("generate", prompts, greedy=True, n=1)
         baseline = roles.gather(greedy, roles.reward.bind("score", greedy))
-        parts = [rollouts,
-                 roles.reward.bind("score", rollouts),
-                 roles.policy.bind("logprobs", rollouts)]
-        if "reference" in roles.names():
-            parts.append(roles.reference.bind("logprobs", rollouts))
+        parts = [rollouts, *rollout_columns(roles, cfg, rollouts)]
         batch = roles.apply(steps.attach_reward_baselines, roles.gather(*parts), baseline)
         batch = roles.apply(
             steps.compute_advantages, batch, prompts, estimator="remax", gamma=cfg.algorithm.gamma,
+            old_from_rollout=cfg.old_logprobs_source == "rollout",
             kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         update = roles.policy.bind("update", batch)

@@ -96,22 +96,38 @@ class RoleHost:
         return self.timings.take()
 
     def run(self, step: S.Step, *values: Any) -> Any:
-        """Execute one DAG step (see `raygraph.cluster.steps.Step`)."""
-        with self._guard(step.role, step.method or step.op), self.timings.stage(step.label):
-            args, kwargs = S.resolve(step, values)
-            if step.op == "call":
-                out = getattr(self.workers[step.role], step.method)(*args, **kwargs)
-            elif step.op == "weights_local":
-                out = self.weights_local(**step.extra)
-            elif step.op == "weights_send":
-                out = self.weights_send(**step.extra)
-            elif step.op == "weights_recv":
-                out = self.weights_recv(**step.extra)
-            elif step.op == "weights_drain":
-                out = self.weights_drain(**step.extra)
-            else:
-                raise ValueError(f"RoleHost cannot run step op {step.op!r}")
-        return (out, S.OK) if step.status else out
+        """Execute one DAG step (see `raygraph.cluster.steps.Step`), or a whole plan ("plan")."""
+        if step.op == "plan":
+            out = self._run_plan(step, values[0])
+        else:
+            with self._guard(step.role, step.method or step.op), self.timings.stage(step.label):
+                out = self._run_step(step, values)
+        if not step.status:
+            return out
+        return (*out, S.OK) if step.n_out > 1 else (out, S.OK)
+
+    def _run_step(self, step: S.Step, values: tuple) -> Any:
+        if step.op in S.WHOLE_OPS:
+            return S.run_whole(step, values)
+        args, kwargs = S.resolve(step, values)
+        if step.op == "call":
+            return getattr(self.workers[step.role], step.method)(*args, **kwargs)
+        weight_ops = {"weights_local": self.weights_local, "weights_send": self.weights_send,
+                      "weights_recv": self.weights_recv, "weights_drain": self.weights_drain}
+        if step.op not in weight_ops:
+            raise ValueError(f"RoleHost cannot run step op {step.op!r}")
+        return weight_ops[step.op](**step.extra)
+
+    def _run_plan(self, step: S.Step, x: Any) -> Any:
+        """Every step of a plan in this process, values passed in memory (`Executor` fuses
+        plans whose role steps all run on one actor into one such step)."""
+        values: dict[tuple, Any] = {S.INPUT: x}
+        for sub, inputs, outputs in step.extra["ops"]:
+            with self._guard(sub.role, sub.method or sub.op), self.timings.stage(sub.label):
+                result = self._run_step(sub, tuple(values[v] for v in inputs))
+            values.update(zip(outputs, result if sub.n_out > 1 else (result,)))
+        outs = tuple(values[v] for v in step.extra["outputs"])
+        return outs if step.n_out > 1 else outs[0]
 
     # --- weight sync ------------------------------------------------------------------------------
     def weights_open(self, group: str, world: int, timeout_s: float) -> tuple[str, int]:
@@ -208,18 +224,9 @@ class Coordinator:
 
     def run(self, step: S.Step, *values: Any) -> Any:
         with _Guard(self.site, step.label), self.timings.stage(step.label):
-            args, kwargs = S.resolve(step, values)
-            if step.op == "scatter":
-                parts = S.scatter(S.merge_shards(values), step.n_out)
-                out = tuple(parts) if step.n_out > 1 else parts[0]
-            elif step.op == "gather":
-                out = S.gather(values, step.groups)
-            elif step.op == "apply":
-                out = step.fn(*args, **kwargs)
-            elif step.op == "weights_combine":
-                out = _combine_sync(values)
-            else:
+            if step.op not in S.WHOLE_OPS:
                 raise ValueError(f"Coordinator cannot run step op {step.op!r}")
+            out = S.run_whole(step, values)
         if not step.status:
             return out
         return (*out, S.OK) if step.n_out > 1 else (out, S.OK)
@@ -248,12 +255,3 @@ class _Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds[self.label] = self.seconds.get(self.label, 0.0) + time.perf_counter() - self.start
-
-
-def _combine_sync(values: tuple) -> dict:
-    from raygraph.cluster.weights import combine_stats
-
-    reports = [v for v in values if isinstance(v, dict) and ("sender" in v or "receiver" in v)]
-    sender = next((r["sender"] for r in reports if r.get("sender")), {})
-    receivers = [r["receiver"] for r in reports if "receiver" in r]
-    return combine_stats(sender, receivers)

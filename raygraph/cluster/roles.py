@@ -224,7 +224,9 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
         placement_timeout_s: bounded wait for each placement group.
         weight_sync_timeout_s: bound on joining and on each transfer of the weight-sync group.
         bucket_bytes: weight-sync bucket size.
-        env_vars: extra environment for every actor (OMP_NUM_THREADS defaults to 1).
+        env_vars: extra environment for every actor. OMP_NUM_THREADS (torch's intra-op threads)
+            defaults to the actor's whole CPUs (its bundle's `cpus_per_bundle` / actors sharing it,
+            at least 1), as Ray does for tasks with `num_cpus`.
         weight_sync: (src, dst) role pairs whose weights are synced; pairs with a missing role
             are skipped. Pairs not fused get a collective group created here.
 
@@ -247,7 +249,7 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
     try:
         for name, spec in pools.items():
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)
-        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
+        env = {"TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
         units = _fusion_units(specs, colocate)
         _create_hosts(roles, pools, specs, units, env)
         _init_distributed(roles, specs, placement_timeout_s)
@@ -294,7 +296,8 @@ def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
             per_bundle[key] = per_bundle.get(key, 0) + 1
     coordinator_cls = ray.remote(num_cpus=0)(Coordinator)
     roles.coordinator = coordinator_cls.options(
-        name=f"{roles.run_name}/coordinator", runtime_env={"env_vars": env}).remote(roles.run_name)
+        name=f"{roles.run_name}/coordinator",
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **env}}).remote(roles.run_name)
     refs, labels = [], []
     members: dict[str, list] = {r: [] for r in specs}
     for unit in units:
@@ -303,10 +306,11 @@ def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
             bundle = rank % pool.bundles
             share = per_bundle[(spec.pool, bundle)]
             actor_name = f"{roles.run_name}/{'+'.join(unit)}/{rank}"
-            cls = ray.remote(num_cpus=pool.cpus_per_bundle / share,
-                             num_gpus=pool.gpus_per_bundle / share)(RoleHost)
+            cpus = pool.cpus_per_bundle / share
+            cls = ray.remote(num_cpus=cpus, num_gpus=pool.gpus_per_bundle / share)(RoleHost)
+            threads = {"OMP_NUM_THREADS": str(max(1, int(cpus)))}
             actor = cls.options(
-                name=actor_name, max_restarts=0, runtime_env={"env_vars": env},
+                name=actor_name, max_restarts=0, runtime_env={"env_vars": {**threads, **env}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     roles.placement_groups[spec.pool], placement_group_bundle_index=bundle),
             ).remote(actor_name, {role: rank for role in unit})

@@ -18,9 +18,12 @@ from typing import Any
 
 from raygraph.batch import Batch
 
-__all__ = ["Arg", "Step", "resolve", "scatter", "merge_shards", "gather", "OK"]
+__all__ = ["Arg", "Step", "resolve", "scatter", "merge_shards", "gather", "run_whole", "combine_sync",
+           "OK", "INPUT", "WHOLE_OPS"]
 
 OK = True   # the status value interpreted execution returns next to every step's result
+INPUT = ("input", 0)   # the value id of a plan's input (other ids: (step index, result index))
+WHOLE_OPS = ("scatter", "gather", "apply", "weights_combine")   # whole-batch plumbing, not role calls
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,10 @@ class Step:
     """One operation on one actor.
 
     Args:
-        op: "call" (worker method), "scatter", "gather", "apply", or a weight-sync op
-            ("weights_local", "weights_send", "weights_recv", "weights_combine").
+        op: "call" (worker method), "scatter", "gather", "apply", a weight-sync op
+            ("weights_local", "weights_send", "weights_recv", "weights_combine"), or "plan"
+            (a whole plan run in one actor: `extra["ops"]` lists `(step, input ids, output ids)`,
+            `extra["outputs"]` the value ids returned).
         role, method, rank: what runs (for "call") and how errors name it.
         args, kwargs: argument templates resolved against the upstream values.
         n_out: number of results (scatter returns one per shard).
@@ -73,6 +78,31 @@ def resolve(step: Step, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any
         return a.const if a.index is None else values[a.index]
 
     return [one(a) for a in step.args], {k: one(a) for k, a in step.kwargs.items()}
+
+
+def run_whole(step: Step, values: Sequence[Any]) -> Any:
+    """Run a whole-batch step (`WHOLE_OPS`) on its upstream values; a tuple when `n_out > 1`."""
+    if step.op == "scatter":
+        parts = scatter(merge_shards(values), step.n_out)
+        return tuple(parts) if step.n_out > 1 else parts[0]
+    if step.op == "gather":
+        return gather(values, step.groups)
+    if step.op == "apply":
+        args, kwargs = resolve(step, values)
+        return step.fn(*args, **kwargs)
+    if step.op == "weights_combine":
+        return combine_sync(values)
+    raise ValueError(f"not a whole-batch step op: {step.op!r}")
+
+
+def combine_sync(values: Sequence[Any]) -> dict:
+    """One `weights/*` dict from the sender's and receivers' reports of one weight sync."""
+    from raygraph.cluster.weights import combine_stats
+
+    reports = [v for v in values if isinstance(v, dict) and ("sender" in v or "receiver" in v)]
+    sender = next((r["sender"] for r in reports if r.get("sender")), {})
+    receivers = [r["receiver"] for r in reports if "receiver" in r]
+    return combine_stats(sender, receivers)
 
 
 def scatter(value: Any, parts: int) -> list[Any]:

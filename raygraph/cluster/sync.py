@@ -77,6 +77,6 @@ def sync_now(roles: Roles, src: str, dst: str, **options) -> dict:
     refs = [actor.run.options(name=f"{step.role}.{step.op}").remote(step) for actor, step, _ in triples]
     reports = wait_calls(refs, [t[2] for t in triples], [t[1].op for t in triples],
                          timeout_s=roles.weight_sync_timeout_s * 2 + 10)
-    from raygraph.cluster.host import _combine_sync
+    from raygraph.cluster.steps import combine_sync
 
-    return _combine_sync(tuple(reports))
+    return combine_sync(tuple(reports))

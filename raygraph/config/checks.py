@@ -96,6 +96,10 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
     if place.max_staleness > 0 and place.mode != "disaggregated":
         problems.append(f"placement.max_staleness={place.max_staleness} needs placement.mode=disaggregated: "
                         "colocated roles share devices and run one after another, so rollouts cannot run ahead")
+    if place.max_staleness > 0 and cfg.actor.old_logprobs == "rollout":
+        problems.append("actor.old_logprobs=rollout needs placement.max_staleness=0: pipelined rollouts are "
+                        "sampled with older weights, so their log-probs are not the policy's before the update "
+                        "(use auto or recompute; the rollout's log-probs then drive the truncated IS weights)")
     if place.max_staleness > 1:
         problems.append(f"placement.max_staleness={place.max_staleness}: only 0 (synchronous) and 1 (rollouts "
                         "sampled one step ahead, during the previous update) are implemented")

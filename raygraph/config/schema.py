@@ -155,6 +155,14 @@ class ActorConfig(_Section):
                                                        "0 = off.")
     kl_loss_kind: str = Field("k3", description="KL estimator of the loss term by registry name "
                                                 "(raygraph.algos.kl).")
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+        "auto", description="Where the PPO ratio's old log-probs come from. recompute: a policy.logprobs "
+                            "pass before the update. rollout: the rollout engine's own log-probs (no extra "
+                            "pass; synchronous only; exact up to numerics when rollout and policy compute "
+                            "in the same precision, see rollout/logprob_diff_max). auto: no extra pass when "
+                            "the update is one on-policy optimizer step (ppo_epochs=1, one mini-batch, "
+                            "synchronous, no KL in the reward; then old = the policy's own detached "
+                            "log-probs, exactly), else recompute.")
 
     @field_validator("dual_clip")
     @classmethod
@@ -341,6 +349,17 @@ class RaygraphConfig(_Section):
     def uses_kl(self) -> bool:
         """True when a KL term (loss or reward penalty) is active."""
         return self.actor.kl_loss_coef > 0 or self.algorithm.kl_in_reward.coef > 0
+
+    @property
+    def old_logprobs_source(self) -> str:
+        """actor.old_logprobs, resolved: "recompute", "rollout", or "update" (the update's own
+        detached log-probs; auto picks it when the update is one on-policy optimizer step)."""
+        if self.actor.old_logprobs != "auto":
+            return self.actor.old_logprobs
+        one_step = (self.actor.ppo_epochs == 1 and self.placement.max_staleness == 0
+                    and self.actor.mini_batch_size in (None, self.samples_per_step)
+                    and self.algorithm.kl_in_reward.coef == 0)
+        return "update" if one_step else "recompute"
 
     @property
     def uses_reference(self) -> bool:

@@ -214,18 +214,24 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from ((n, b) for n, b in model.named_buffers() if n in persistent)
 
 
-def iter_weight_buckets(model: nn.Module, bucket_bytes: int,
-                        dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                        copy: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full tensors in state-dict names, grouped in buckets of about `bucket_bytes`.
 
     Under FSDP2 each tensor is all-gathered as it is reached, so every rank must drain the
     iterator in lockstep; at most one bucket of full tensors is alive per rank at a time.
-    Tensors are detached copies on the model's device (safe to keep while training goes on).
+    Gathered or cast tensors are new; an unsharded model's own tensors are cloned when `copy`
+    (safe to keep while training goes on), else handed out as detached views of the live
+    weights (no copy: consume each bucket before the next optimizer step).
     """
     bucket, size = [], 0
     for name, tensor in _named_tensors(model):
-        full = full_tensor(tensor.detach())
-        full = full.to(dtype) if dtype is not None and full.is_floating_point() else full.clone()
+        live = tensor.detach()
+        full = full_tensor(live)
+        if dtype is not None and full.is_floating_point() and full.dtype != dtype:
+            full = full.to(dtype)
+        elif copy and full is live:
+            full = full.clone()
         nbytes = full.numel() * full.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

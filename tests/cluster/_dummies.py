@@ -77,8 +77,12 @@ class Policy:
     def die(self) -> None:
         os._exit(1)
 
-    def fail(self, message: str = "boom") -> None:
+    def fail(self, message: str = "boom", batch: Batch | None = None) -> None:
         raise ValueError(message)
+
+    def load_state(self, state: dict) -> None:
+        for k, t in state.items():
+            self.w[k].copy_(t)
 
     def pid(self) -> int:
         return os.getpid()

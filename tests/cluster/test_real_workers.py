@@ -54,6 +54,7 @@ def test_layouts_agree_and_sync_is_bit_exact(layouts, real, tiny_model_path):
     seen = {}
     for mode, roles in layouts.items():
         executor = Executor(_step(roles, real))
+        assert executor.plan.fused == (mode == "colocated")   # one rank, one actor: one task per step
         metrics, sync, digest = executor.run(prompts)
         _, sync2, digest2 = executor.run(prompts)
         assert sync["weights/verified"] == sync2["weights/verified"] == 1.0, mode

@@ -188,3 +188,93 @@ def test_collective_member_missing_times_out_naming_it(dummies):
         with pytest.raises(RoleError, match=r"rollout rank 1 .* did not arrive within 2s"):
             roles.sync_weights_now()
         assert time.monotonic() - start < 8
+
+
+def _stable(runs):
+    """Step outputs without wall times and weight-version numbers (those count every sync)."""
+    out = []
+    for metrics, sync, digest in runs:
+        sync = {k: v for k, v in sync.items() if k not in ("weights/sync_s", "weights/gbytes_per_s", "weights/version")}
+        out.append((metrics, sync, {k: v for k, v in digest.items() if k != "versions"}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_actor(dummies):
+    """Policy, rollout and reward fused into one actor (colocated, one rank)."""
+    pools = {"train": PoolSpec(bundles=1, cpus_per_bundle=1.0)}
+    with build_roles("test-runtime/fused", pools, _specs(dummies, 1, 1), mode="colocated",
+                     colocate=[("policy", "rollout", "reward")], bucket_bytes=300) as roles:
+        yield roles
+
+
+def test_single_actor_plan_runs_as_one_task_with_identical_results(single_actor, dummies, layouts):
+    roles = single_actor
+    dag = _rl_step(roles, dummies)
+    fused, unfused = Executor(dag), Executor(dag, fuse=False)
+    assert fused.plan.fused and len(fused.plan.ops) == 1 and not unfused.plan.fused
+    assert len(unfused.plan.ops) > 8   # each node its own task (scatter, generate, score, ...)
+    assert "rollout.generate" in fused.plan.describe() and "apply:advantages" in fused.plan.describe()
+    # two ranks or two actors: plans stay as they are
+    assert not Executor(_rl_step(layouts["colocated"], dummies)).plan.fused
+    start = roles.policy.call_rank0("state")
+    results = {}
+    for name, executor in (("fused", fused), ("unfused", unfused)):
+        roles.policy.call("load_state", start)   # same starting weights for both
+        roles.sync_weights_now()
+        roles.take_stage_timings()
+        results[name] = [executor.run(dummies.prompts(4, per_group=2)) for _ in range(2)]
+        timings = roles.take_stage_timings()
+        # per-stage clocks still see every stage, including the coordinator's (run in the actor now)
+        assert {"timing/rollout.generate_s", "timing/policy.update_s", "timing/apply_advantages_s",
+                "timing/gather_s"} <= set(timings), timings
+        assert executor.last_driver_bytes < 5_000
+    assert _stable(results["fused"]) == _stable(results["unfused"])
+    first, second = results["fused"]
+    assert second[1]["weights/version"] == first[1]["weights/version"] + 1
+    assert set(second[2]["versions"]) == {int(first[1]["weights/version"])}   # rollout used the synced weights
+
+
+def test_single_actor_plan_compiled_and_errors_name_the_role(single_actor, dummies):
+    roles = single_actor
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        dag = MultiOutputNode([roles.apply(dummies.summarise, roles.gather(rollouts, roles.reward.bind("score", rollouts)))])
+    interpreted = Executor(dag).run(dummies.prompts(3))
+    compiled = Executor(dag, mode="compiled")
+    try:
+        assert compiled.plan.fused and compiled.run(dummies.prompts(3)) == interpreted
+    finally:
+        compiled.teardown()
+    with InputNode() as prompts:
+        failing = MultiOutputNode([roles.gather(roles.policy.bind("fail", "fused-boom", batch=prompts))])
+    with pytest.raises(RoleError, match="fused-boom") as info:
+        Executor(failing).run(dummies.prompts(1))
+    assert (info.value.role, info.value.rank, info.value.method) == ("policy", 0, "fail")
+
+
+def test_compiled_step_longer_than_rays_get_timeout(layouts, dummies):
+    """Ray's compiled-graph `get` gives up after RAY_CGRAPH_get_timeout (10 s) unless told to block."""
+    roles = layouts["disaggregated"]
+    with InputNode() as seconds:
+        dag = MultiOutputNode([roles.gather(roles.policy.bind("sleep", seconds))])
+    executor = Executor(dag, mode="compiled")
+    try:
+        executor._compiled._get_timeout = 0.5   # stands for the 10 s default, to keep the test short
+        assert executor.run(1.5) == [[1.5, 1.5]]
+    finally:
+        executor.teardown()
+
+
+def test_actor_threads_follow_its_cpu_share(dummies):
+    """torch intra-op threads = the actor's whole CPUs: 2 alone in a 2-CPU bundle, 1 when two
+    actors share it; an explicit OMP_NUM_THREADS wins."""
+    pools = {"p": PoolSpec(bundles=1, cpus_per_bundle=2.0)}
+    alone = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p")}
+    with build_roles("test-runtime/threads", pools, alone) as roles:
+        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "2"
+    shared = {**alone, "rollout": RoleSpec(dummies.Rollout, {}, world_size=1, pool="p")}
+    with build_roles("test-runtime/threads2", pools, shared, mode="disaggregated") as roles:
+        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "1"
+    with build_roles("test-runtime/threads3", pools, alone, env_vars={"OMP_NUM_THREADS": "3"}) as roles:
+        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "3"

@@ -61,6 +61,32 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_path, ro
         torch.testing.assert_close(w_split[k], w_whole[k], atol=1e-6, rtol=0)
 
 
+def test_one_step_update_without_old_logprobs_equals_the_recomputed_pass(tiny_model_path, rollout_batch):
+    """One optimizer step: old log-probs = the update's own detached ones, exactly the same step as
+    with a separate `logprobs` pass (ratio 1 either way); several steps need the pass."""
+    kw = {"kl_loss_coef": 0.1, "micro_batch_size": 4, "lr": 1e-4}
+    recomputed, skipped = _policy(tiny_model_path, **kw), _policy(tiny_model_path, **kw)
+    batch = _train_batch(recomputed, rollout_batch)
+    noise = 1e-3 * torch.randn(batch[OLD_LOGPROBS].shape, generator=torch.Generator().manual_seed(5))
+    batch = batch.with_columns(**{ROLLOUT_LOGPROBS: batch[OLD_LOGPROBS] + noise * batch[RESPONSE_MASK]})
+    initial = _weights(recomputed)
+    m_full = recomputed.update(batch)
+    m_skip = skipped.update(batch.select_columns([c for c in batch.columns() if c != OLD_LOGPROBS]))
+    for name in METRICS:
+        assert m_skip[name] == pytest.approx(m_full[name], rel=1e-4, abs=1e-6), name
+    assert m_skip["actor/clipfrac"] == 0.0 and abs(m_skip["actor/approx_kl"]) < 1e-12   # ratio exactly 1
+    # the rollout engine's log-probs vs the policy's, at the weights that sampled
+    expected_gap = float((noise * batch[RESPONSE_MASK]).abs().max())
+    assert m_skip["rollout/logprob_diff_max"] == pytest.approx(expected_gap, abs=1e-5)
+    w_full, w_skip = _weights(recomputed), _weights(skipped)
+    assert max((w_full[k] - initial[k]).abs().max() for k in initial) > 1e-5
+    for k in w_full:
+        torch.testing.assert_close(w_skip[k], w_full[k], atol=1e-6, rtol=0)
+    two_steps = _policy(tiny_model_path, mini_batch_size=3, **kw)
+    with pytest.raises(KeyError, match="1 epoch\\(s\\) x 2 mini-batch.*actor.old_logprobs=recompute"):
+        two_steps.update(batch.select_columns([c for c in batch.columns() if c != OLD_LOGPROBS]))
+
+
 def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollout_batch):
     worker = _policy(tiny_model_path, micro_batch_size=3, mini_batch_size=3, warmup_steps=4)
     batch = _train_batch(worker, rollout_batch)
