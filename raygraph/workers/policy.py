@@ -36,12 +36,13 @@ from raygraph.batch import (
     REF_LOGPROBS,
     RESPONSE_MASK,
     RESPONSES,
+    ROLLOUT_LOGPROBS,
     Batch,
 )
 from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
 from raygraph.workers import _train
-from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed, lockstep, rank
+from raygraph.workers.distributed import all_reduce, default_device, fsdp_wrap, is_distributed, lockstep, rank
 
 __all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]
 
@@ -97,6 +98,8 @@ class PolicyWorker:
         self.policy_loss, self.loss_agg = policy_loss, loss_agg
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.entropy_coef, self.kl_loss_coef, self.kl_loss_kind = entropy_coef, kl_loss_coef, kl_loss_kind
+        self._first_step_rows = 0       # rows of this update still at the weights that sampled them
+        self._rollout_gap = 0.0         # max |log-prob - rollout log-prob| over those rows
         self.temperature = temperature
 
     # ------------------------------------------------------------------------------ inference
@@ -127,8 +130,12 @@ class PolicyWorker:
             logprobs, entropy = forward_response(
                 self.model, micro, temperature=self.temperature, with_entropy=True,
                 entropy_grad=self.entropy_coef != 0.0, packed=self.packed)
+        # Without old_logprobs the update is one on-policy optimizer step (checked in `update`):
+        # the policy before it is the policy of this forward pass, so pi_old = pi exactly.
+        old = micro[OLD_LOGPROBS].to(self.device) if OLD_LOGPROBS in micro else logprobs.detach()
+        self._track_rollout_gap(micro, logprobs, mask)
         pg_loss, stats = losses.policy_loss(
-            self.policy_loss, logprobs=logprobs, old_logprobs=micro[OLD_LOGPROBS].to(self.device),
+            self.policy_loss, logprobs=logprobs, old_logprobs=old,
             advantages=micro[ADVANTAGES].to(self.device), response_mask=mask, clip_low=self.clip_low,
             clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.loss_agg)
         entropy_agg = losses.aggregate(entropy, mask, self.loss_agg)
@@ -143,11 +150,25 @@ class PolicyWorker:
         stats = {k: stats[k] for k in ("clipfrac", "approx_kl")} | {"entropy": token_mean}
         return _train.MicroResult(loss=loss, loss_terms=terms, token_stats=stats)
 
+    def _track_rollout_gap(self, micro: Batch, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+        """Largest gap between the rollout engine's log-probs and ours, on the first optimizer
+        step's rows (where the weights are still those that sampled them)."""
+        if self._first_step_rows <= 0 or ROLLOUT_LOGPROBS not in micro:
+            return
+        gap = (logprobs.detach().float() - micro[ROLLOUT_LOGPROBS].to(self.device)).abs() * mask
+        self._rollout_gap = max(self._rollout_gap, float(gap.max()) if gap.numel() else 0.0)
+        self._first_step_rows -= len(micro)
+
     def update(self, batch: Batch) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches on this rank's shard.
 
-        Needs `prompt_ids`, `prompt_mask`, `responses`, `response_mask`, `old_logprobs`,
-        `advantages` (and `ref_logprobs` when `kl_loss_coef` > 0).
+        Needs `prompt_ids`, `prompt_mask`, `responses`, `response_mask`, `advantages` (and
+        `ref_logprobs` when `kl_loss_coef` > 0), and `old_logprobs` unless the update is ONE
+        optimizer step (one epoch, one mini-batch): then the policy before the step is the one
+        being differentiated, and its detached log-probs are `old_logprobs` (no extra pass).
+        With `rollout_logprobs` in the batch it also reports `rollout/logprob_diff_max`, the
+        largest gap between the rollout engine's and the policy's log-probs at the weights that
+        sampled (on the first optimizer step's rows).
 
         Returns:
             `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/approx_kl`,
@@ -155,14 +176,30 @@ class PolicyWorker:
             steps of this call, global over ranks (identical on every rank); `actor/lr`: the
             lr of the last step.
         """
-        needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, OLD_LOGPROBS, ADVANTAGES]
+        needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, ADVANTAGES]
+        first_step = len(batch) if self.mini_batch_size is None else min(self.mini_batch_size, len(batch))
+        if OLD_LOGPROBS in batch:
+            needed.append(OLD_LOGPROBS)
+        elif self.ppo_epochs > 1 or first_step < len(batch):
+            raise KeyError(f"PolicyWorker.update needs {OLD_LOGPROBS!r}: this update takes "
+                           f"{self.ppo_epochs} epoch(s) x {-(-len(batch) // first_step)} mini-batch(es), and "
+                           "after the first optimizer step the policy is no longer the one that sampled; "
+                           "bind policy.logprobs (actor.old_logprobs=recompute) or use the rollout's "
+                           "(actor.old_logprobs=rollout)")
         if self.kl_loss_coef:
             needed.append(REF_LOGPROBS)
+        if ROLLOUT_LOGPROBS in batch:
+            needed.append(ROLLOUT_LOGPROBS)
         missing = [c for c in needed if c not in batch]
         if missing:
             raise KeyError(f"PolicyWorker.update needs columns {missing}; the batch has {batch.columns()}")
-        return self._run(batch.select_columns(needed), self._ppo_loss, RESPONSE_MASK, self.ppo_epochs,
-                         self.loss_agg, defaults={"kl_loss": 0.0})
+        self._first_step_rows, self._rollout_gap = first_step, 0.0
+        metrics = self._run(batch.select_columns(needed), self._ppo_loss, RESPONSE_MASK, self.ppo_epochs,
+                            self.loss_agg, defaults={"kl_loss": 0.0})
+        if ROLLOUT_LOGPROBS in batch:
+            gap = all_reduce(torch.tensor([self._rollout_gap], dtype=torch.float64), op="max")
+            metrics["rollout/logprob_diff_max"] = float(gap)
+        return metrics
 
     def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,
              defaults: dict[str, float], optimizer=None, scheduler=None) -> dict[str, float]:
