@@ -1,7 +1,8 @@
 """raygraph GRPO vs TRL `GRPOTrainer` on identical work: ratio of median step times.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/compare_trl.py [--sizes 25m,tiny] [--rounds 2] \\
-        [--steps 8] [--warmup 2] [--trl-threads 1] [--executors compiled,interpreted] [--dtype float32]
+        [--steps 8] [--warmup 2] [--trl-threads 1] [--executors interpreted] [--setups 1x1,2x1] \
+        [--dtype float32]
 
 Needs the `bench` extra (`pip install -e '.[bench]'`, i.e. TRL). Both sides get:
 
@@ -17,10 +18,12 @@ Needs the `bench` extra (`pip install -e '.[bench]'`, i.e. TRL). Both sides get:
   whole batch is one mini-batch and one micro-batch), no gradient checkpointing (TRL's
   `GRPOConfig` turns it on by default; raygraph's `model.gradient_checkpointing` is off).
 
-raygraph runs as shipped (`benchmarks/step_time.py`: `raygraph train`, colocated, actors with
-OMP_NUM_THREADS=1), once per executor in `--executors`. TRL runs in one process on the CPU
-(`use_cpu=True`) with one torch thread like raygraph's actors (`--trl-threads 0`: torch's
-default, all cores). Runs alternate (raygraph, TRL, then the reverse order) in fresh
+raygraph runs as shipped (`benchmarks/step_time.py`: `raygraph train`, colocated, old log-probs
+per `actor.old_logprobs=auto`, i.e. the update's own since it is one optimizer step), once per
+executor in `--executors` and placement in `--setups`: `1x1` one rank with one thread, `1x2` one
+rank with two threads (`placement.cpus_per_worker=2`), `2x1` two data-parallel ranks with one
+thread each (FSDP2 over gloo, a rollout engine beside each). TRL runs in one process on the CPU
+(`use_cpu=True`) with `--trl-threads` torch threads (0: torch's default, all cores). Runs alternate (raygraph, TRL, then the reverse order) in fresh
 subprocesses; a step is timed from
 `on_step_begin` to `on_step_end` (TRL) or by the trainer's `timing/step_s` (raygraph), skipping
 `--warmup` steps. The JSON has each side's per-stage seconds: raygraph's `timing/*`, and for TRL
@@ -47,22 +50,32 @@ TRAIN_FILE = "runs/data/toy/train.parquet"   # written by `raygraph train config
 LR = 1e-6
 
 
+SETUPS = {
+    "1x1": ["placement.train_workers=1", "placement.rollout_workers=1", "placement.cpus_per_worker=1"],
+    "1x2": ["placement.train_workers=1", "placement.rollout_workers=1", "placement.cpus_per_worker=2"],
+    "2x1": ["placement.train_workers=2", "placement.rollout_workers=2", "placement.cpus_per_worker=1"],
+}
+
+
 def raygraph_overrides(model_path: str, size: str, dtype: str) -> list[str]:
     return [f"model.path={model_path}", "model.build_tiny=true", f"model.tiny_size={size}", f"model.dtype={dtype}",
             "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=16", "rollout.micro_batch_size=64",
             "actor.kl_loss_coef=0.04", "actor.kl_loss_kind=k3", "actor.mini_batch_size=64",
             "actor.micro_batch_size=64", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",
+            "actor.old_logprobs=auto",
             "trainer.warm_start=null", "algorithm.advantage=grpo", "actor.loss_agg=token-mean"]
 
 
-def run_raygraph(model_path: str, size: str, steps: int, warmup: int, executor: str, dtype: str) -> dict:
+def run_raygraph(model_path: str, size: str, steps: int, warmup: int, executor: str, setup: str,
+                 dtype: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="raygraph-cmp-") as tmp:
         # RAY_CGRAPH_get_timeout: Ray's compiled graphs give up on a step after 10 s by default,
         # which a 25M-parameter step on a loaded 2-core machine exceeds (see docs/benchmarks.md).
         env = {**os.environ, "TMPDIR": tmp, "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", "/tmp"),
                "RAY_CGRAPH_get_timeout": os.environ.get("RAY_CGRAPH_get_timeout", "3600")}
         proc = subprocess.run([sys.executable, str(STEP_TIME), "configs/demo.yaml",
-                               *raygraph_overrides(model_path, size, dtype), f"trainer.executor={executor}",
+                               *raygraph_overrides(model_path, size, dtype), *SETUPS[setup],
+                               f"trainer.executor={executor}",
                                "--steps", str(steps),
                                "--warmup", str(warmup)], capture_output=True, text=True, env=env)
         if proc.returncode:
@@ -180,8 +193,8 @@ def run_trl(model_path: str, steps: int, warmup: int, threads: int, dtype: str) 
 
 
 def compare(size: str, model_path: str, rounds: int, steps: int, warmup: int, trl_threads: int,
-            executors: list[str], dtype: str) -> dict:
-    sides = [f"raygraph/{e}" for e in executors] + ["trl"]
+            executors: list[str], setups: list[str], dtype: str) -> dict:
+    sides = [f"raygraph/{e}/{s}" for e in executors for s in setups] + ["trl"]
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     loads = []
     for r in range(rounds):
@@ -190,7 +203,8 @@ def compare(size: str, model_path: str, rounds: int, steps: int, warmup: int, tr
             if side == "trl":
                 runs[side].append(run_trl(model_path, steps, warmup, trl_threads, dtype))
             else:
-                runs[side].append(run_raygraph(model_path, size, steps, warmup, side.split("/")[1], dtype))
+                _, executor, setup = side.split("/")
+                runs[side].append(run_raygraph(model_path, size, steps, warmup, executor, setup, dtype))
             print(f"[compare_trl] {size} {side}: median {statistics.median(runs[side][-1]['step_s']):.3f}s",
                   file=sys.stderr, flush=True)
     medians = {side: statistics.median(t for run in rs for t in run["step_s"]) for side, rs in runs.items()}
@@ -217,7 +231,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--trl-threads", type=int, default=1,
                         help="torch threads for TRL (default 1, as raygraph's actors); 0 = torch's default")
-    parser.add_argument("--executors", default="compiled,interpreted", help="raygraph trainer.executor values")
+    parser.add_argument("--executors", default="interpreted", help="raygraph trainer.executor values")
+    parser.add_argument("--setups", default="1x1,2x1",
+                        help=f"raygraph placements: {', '.join(SETUPS)} (ranks x threads per rank)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype of both sides (TRL: bf16 autocast; raygraph: model.dtype)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
@@ -233,6 +249,9 @@ def main() -> None:
         ensure_assets(load_config("configs/demo.yaml"))
     from raygraph.models.tiny import build_tiny_lm
 
+    unknown = set(args.setups.split(",")) - set(SETUPS)
+    if unknown:
+        raise SystemExit(f"unknown --setups {sorted(unknown)}; choose from {', '.join(SETUPS)}")
     result = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{os.cpu_count()} CPUs",
               "dtype": args.dtype,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
@@ -240,7 +259,7 @@ def main() -> None:
         for size in args.sizes.split(","):
             path = str(build_tiny_lm(Path(tmp) / size, size=size, seed=0))
             result[size] = compare(size, path, args.rounds, args.steps, args.warmup, args.trl_threads,
-                                   args.executors.split(","), args.dtype)
+                                   args.executors.split(","), args.setups.split(","), args.dtype)
     print(json.dumps(result, indent=1))
 
 

@@ -1,12 +1,13 @@
 """How close a raygraph step is to the compute it contains: `overhead = raygraph step / lower bound`.
 
     .venv/bin/python benchmarks/lower_bound.py configs/demo.yaml [key=value ...] \\
-        [--steps 30] [--warmup 3] [--variants full,reuse,one_actor] [--threads 1] [--rounds 1]
+        [--steps 30] [--warmup 3] [--variants full,recompute,one_actor] [--threads 1] [--rounds 1]
 
 The lower bound runs one GRPO step's compute sequentially in THIS process with the plain workers
 (`raygraph.workers.*`, built with exactly the constructor arguments the trainer gives its actors),
-no Ray: prompts -> `rollout.generate` -> `reward.score` -> `policy.logprobs` ->
-`reference.logprobs` (when the config uses a KL term) -> `steps.compute_advantages` ->
+no Ray: prompts -> `rollout.generate` -> `reward.score` -> `policy.logprobs` (only when
+`actor.old_logprobs` resolves to recompute, as in the workflow) -> `reference.logprobs` (when
+the config uses a KL term) -> `steps.compute_advantages` ->
 `policy.update` -> `rollout.load_weights(policy.weight_buckets())` -> `steps.rollout_metrics`.
 Same model, data order, seeds and warm start as `raygraph train`, so both sides sample the same
 responses (`same_samples` compares their per-step reward means).
@@ -23,14 +24,13 @@ step_time: `benchmarks/step_time.py` (an ordinary `raygraph train`) in a subproc
   the load changes between the two phases.
 
 Variants of the lower bound (`--variants`):
-  full   the same stages as the GRPO workflow;
-  reuse  skips `policy.logprobs` and uses the rollout's own log-probs as `old_logprobs` (exact
-         when the rollout runs the policy's current weights in the same dtype, as in the
-         synchronous colocated demo): what skipping that pass would save;
+  full       the same stages as the GRPO workflow under this config;
+  recompute  `full` with a separate `policy.logprobs` pass for the old log-probs whatever
+             `actor.old_logprobs` says (what raygraph did before that option): what skipping it saves;
   one_actor  `full` inside ONE Ray actor, one task per step (timed at the driver): the floor
-         for a colocated step fused into a single actor call.
+             for a colocated step fused into a single actor call.
 `--threads` lists torch intra-op thread counts for the lower bound (actors run with
-OMP_NUM_THREADS=1, so 1 is the like-for-like comparison). Two knobs change only the paired
+OMP_NUM_THREADS = their whole CPUs, 1 in the demo, so 1 is the like-for-like comparison there). Two knobs change only the paired
 raygraph side, to find where time goes: `--actor-threads N` (the actors' OMP_NUM_THREADS, through
 `build_roles(env_vars=...)`) and `--no-dashboard` (local Ray without the dashboard processes).
 Ray starts worker processes at niceness 15; `RAY_worker_niceness=0` in the environment starts
@@ -78,12 +78,13 @@ def _kl_controller(cfg):
 class LowerBound:
     """The GRPO step's compute with plain workers in this process (no Ray)."""
 
-    def __init__(self, cfg, *, threads: int, reuse_rollout_logprobs: bool):
+    def __init__(self, cfg, *, threads: int, old_logprobs: str | None = None):
         from raygraph.roles_from_config import role_specs
         from raygraph.step_io import StepData
         from raygraph.workflow_loader import load_workflow
 
-        self.cfg, self.threads, self.reuse = cfg, threads, reuse_rollout_logprobs
+        self.cfg, self.threads = cfg, threads
+        self.old_logprobs = old_logprobs or cfg.old_logprobs_source   # recompute | rollout | update
         torch.set_num_threads(threads)
         specs = role_specs(cfg, load_workflow(cfg.workflow).roles)   # the actors' constructor arguments
         self.w = {name: spec.factory(**spec.kwargs) for name, spec in specs.items()}
@@ -111,7 +112,6 @@ class LowerBound:
 
     def step(self, step: int) -> dict:
         from raygraph import steps as S
-        from raygraph.batch import OLD_LOGPROBS, ROLLOUT_LOGPROBS
 
         torch.set_num_threads(self.threads)
         w, alg, seconds = self.w, self.cfg.algorithm, {}
@@ -126,14 +126,13 @@ class LowerBound:
         prompts = self.data.next_prompts(step=step, kl_coef=self.kl_ctl.value)
         rollouts = timed("rollout.generate", w["rollout"].generate, prompts)
         batch = rollouts.union(timed("reward.score", w["reward"].score, rollouts))
-        if self.reuse:
-            batch = batch.with_columns(**{OLD_LOGPROBS: batch[ROLLOUT_LOGPROBS]})
-        else:
+        if self.old_logprobs == "recompute":
             batch = batch.union(timed("policy.logprobs", w["policy"].logprobs, rollouts))
         if "reference" in w:
             batch = batch.union(timed("reference.logprobs", w["reference"].logprobs, rollouts))
         batch = timed("apply_compute_advantages", S.compute_advantages, batch, prompts, estimator=alg.advantage,
-                      gamma=alg.gamma, lam=alg.lam, eps=alg.norm_eps, kl_kind=alg.kl_in_reward.kind)
+                      gamma=alg.gamma, lam=alg.lam, eps=alg.norm_eps, kl_kind=alg.kl_in_reward.kind,
+                      old_from_rollout=self.old_logprobs == "rollout")
         metrics = timed("policy.update", w["policy"].update, batch)
         timed("rollout.load_weights", w["rollout"].load_weights, w["policy"].weight_buckets(self.bucket_bytes),
               step + 1)
@@ -151,8 +150,7 @@ class OneActor:
         import ray
 
         cls = ray.remote(num_cpus=0)(LowerBound)
-        self.actor = cls.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(
-            cfg, threads=1, reuse_rollout_logprobs=False)
+        self.actor = cls.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(cfg, threads=1)
 
     def step(self, step: int) -> dict:
         import ray
@@ -228,7 +226,7 @@ def paired(cfg, *, steps: int, warmup: int, variants: list[str], threads: list[i
     from raygraph.run_setup import ensure_assets
 
     ensure_assets(cfg)
-    sides = {f"lower_bound_{v}_{t}thread": LowerBound(cfg, threads=t, reuse_rollout_logprobs=v == "reuse")
+    sides = {f"lower_bound_{v}_{t}thread": LowerBound(cfg, threads=t, old_logprobs="recompute" if v == "recompute" else None)
              for t in threads for v in variants if v != "one_actor"}
     torch.set_num_threads(1)
     sides["raygraph"] = RaygraphLoop(cfg, actor_threads=actor_threads, dashboard=dashboard)
@@ -284,13 +282,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides (both sides)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--variants", default="full,reuse,one_actor",
-                        help="lower-bound variants: full, reuse, one_actor")
+    parser.add_argument("--variants", default="full,recompute,one_actor",
+                        help="lower-bound variants: full, recompute, one_actor")
     parser.add_argument("--threads", default="1", help="comma-separated torch threads for the lower bound")
     parser.add_argument("--rounds", type=int, default=1, help="step_time.py subprocess runs (0 = none)")
     parser.add_argument("--actor-threads", type=int, default=None,
                         help="investigation: OMP_NUM_THREADS of the paired run's actors (build_roles env_vars; "
-                             "default: build_roles' 1)")
+                             "default: the actor's whole CPUs)")
     parser.add_argument("--no-dashboard", action="store_true",
                         help="investigation: start the paired run's local Ray without the dashboard")
     args = parser.parse_args()
@@ -305,7 +303,8 @@ def main() -> None:
                   "paired": paired(cfg, steps=args.steps, warmup=args.warmup, variants=args.variants.split(","),
                                    threads=[int(t) for t in args.threads.split(",")],
                                    actor_threads=args.actor_threads, dashboard=not args.no_dashboard)}
-        result["paired"].update(actor_threads=args.actor_threads or 1, dashboard=not args.no_dashboard)
+        result["paired"].update(actor_threads=args.actor_threads or "cpu share", dashboard=not args.no_dashboard,
+                                old_logprobs=cfg.old_logprobs_source)
     runs = []
     for _ in range(args.rounds):
         runs.append({**step_time_subprocess(args.config, args.overrides, args.steps, args.warmup),
