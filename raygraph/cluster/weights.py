@@ -5,11 +5,13 @@ Two transports behind one small interface (`WeightTransport`):
 * `InProcessTransport` (colocated/fused actors): the policy's buckets are handed to the rollout
   worker in the same process; no copy over the network.
 * `CollectiveTransport` (disaggregated): a bucketed broadcast from the policy's rank 0 to every
-  rollout rank over a `ray.util.collective` group. Per bucket: a header (meta length, payload
-  length), the pickled meta (names, shapes, dtypes, offsets, checksum, version) and one flat
-  payload. An end marker (header of zeros) closes a transfer. Each side keeps its payload
-  buffer for every bucket of every sync (a fresh 64 MiB buffer costs more in page faults than
-  the copy into it).
+  rollout rank over a `ray.util.collective` group. Per bucket: a fixed-size header (meta length,
+  payload length, then the pickled meta: names, shapes, dtypes, offsets, checksum, version; a
+  meta too long for it continues in a second broadcast) and one flat payload. An end marker
+  (a header of zeros) closes a transfer. Each side reuses two payload
+  buffers for every bucket of every sync (a fresh 64 MiB buffer costs more in page faults than
+  the copy into it) and overlaps the broadcast of one bucket with packing, checksumming or
+  loading the next.
 
 Receivers recompute each bucket's checksum (`bucket_checksum`) and compare it with the one the
 sender computed before the bytes left; a mismatch is never loaded. Every transfer carries a
@@ -24,6 +26,7 @@ import pickle
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +39,7 @@ __all__ = ["Bucket", "WeightTransport", "InProcessTransport", "CollectiveTranspo
 Bucket = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[Iterable[Bucket], int], Any]   # rollout_worker.load_weights(buckets, version)
 _ALIGN = 16
+_HEADER = 16 << 10   # bytes: two int64 lengths + the pickled meta of a typical bucket
 
 
 def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
@@ -214,72 +218,102 @@ def combine_stats(sender: dict, receivers: list[dict]) -> dict:
 class CollectiveTransport:
     """Bucketed broadcast over a `ray.util.collective` group; rank `src` sends, the rest receive.
 
-    One payload buffer per side, sized to the largest bucket seen and reused by every bucket of
-    every sync (so a steady-state sync touches no fresh pages). A receiver's buckets are views
-    into that buffer: `load` must copy each bucket before it asks for the next.
+    Pipelined: a communication thread broadcasts bucket i while the calling thread packs and
+    checksums bucket i + 1 (sender) or checks and loads bucket i - 1 (receiver); gloo/NCCL
+    waits and zlib release the GIL. Each side keeps two payload buffers (one on the wire, one
+    being packed or loaded), sized to the largest bucket seen and reused by every bucket of
+    every sync, so a steady-state sync touches no fresh pages. A receiver's buckets are views
+    into those buffers: `load` must copy a bucket before it asks for the next one (the receive
+    after next overwrites it).
 
     Args:
         group_name: a joined `raygraph.cluster.collective.StandaloneGroup` (via ray.util.collective).
         src: the sending rank within the group.
+        verify: the sender checksums every bucket (receivers check what the sender chose).
     """
 
-    def __init__(self, group_name: str, src: int = 0):
+    def __init__(self, group_name: str, src: int = 0, *, verify: bool = True):
         from raygraph.cluster import collective
 
-        self.group_name, self.src = group_name, src
+        self.group_name, self.src, self.verify = group_name, src, verify
         self._group = collective.group(group_name)
         self._device = self._group.device
-        self._buf = torch.empty(0, dtype=torch.uint8, device=self._device)
+        self._bufs = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
+        self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weights-{group_name}")
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of the reused payload buffer (grown when a bucket needs more)."""
-        if self._buf.numel() < nbytes:
-            self._buf = torch.empty(0, dtype=torch.uint8, device=self._device)   # free before growing
-            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        return self._buf[:nbytes]
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of payload buffer `slot` (0 or 1), grown when a bucket needs more."""
+        if self._bufs[slot].numel() < nbytes:
+            self._bufs[slot] = torch.empty(0, dtype=torch.uint8, device=self._device)   # free first
+            self._bufs[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        return self._bufs[slot][:nbytes]
 
     def _bcast(self, tensor: torch.Tensor) -> None:
         import ray.util.collective as col
 
         col.broadcast(tensor, src_rank=self.src, group_name=self.group_name)
 
+    def _send_one(self, header: list[torch.Tensor], payload: torch.Tensor) -> None:
+        for part in header + [payload]:   # communication thread: as few broadcasts as possible
+            self._bcast(part)
+
     def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
         start, total, count = time.perf_counter(), 0, 0
         self._group.arrive(f"send v{version}")
-        for index, bucket in enumerate(buckets):
-            nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in bucket)
-            meta, payload = pack_bucket(bucket, self._device, self._buffer(nbytes))
-            meta.update(version=version, index=index)
-            if index == corrupt_bucket:
-                payload[0] ^= 0xFF
-            raw = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self._device)
-            self._bcast(torch.tensor([raw.numel(), payload.numel()], dtype=torch.int64, device=self._device))
-            self._bcast(raw)
-            self._bcast(payload)
-            total += sum(t.numel() * t.element_size() for _, t in bucket)
-            count += 1
-        self._bcast(torch.zeros(2, dtype=torch.int64, device=self._device))
+        on_wire: list[Future | None] = [None, None]   # the send that last used each buffer
+        try:
+            for index, bucket in enumerate(buckets):
+                slot = index % 2
+                if on_wire[slot] is not None:
+                    on_wire[slot].result()             # bucket index - 2 has left this buffer
+                nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in bucket)
+                meta, payload = pack_bucket(bucket, self._device, self._buffer(slot, nbytes),
+                                            checksum=self.verify)
+                meta.update(version=version, index=index)
+                if index == corrupt_bucket:
+                    payload[0] ^= 0xFF
+                on_wire[slot] = self._comm.submit(self._send_one, _header(meta, payload, self._device), payload)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+                count += 1
+            end = torch.zeros(_HEADER, dtype=torch.uint8, device=self._device)
+            self._comm.submit(self._bcast, end).result()
+        finally:
+            wait([f for f in on_wire if f is not None])   # never leave a broadcast reading a buffer
         return {"weights/bytes": float(total), "weights/buckets": float(count),
                 "weights/version": float(version), "weights/sync_s": time.perf_counter() - start}
 
+    def _recv_one(self, slot: int) -> tuple[dict, torch.Tensor] | None:
+        # Communication thread: one bucket into payload buffer `slot`; None at the end marker.
+        header = torch.empty(_HEADER, dtype=torch.uint8, device=self._device)
+        self._bcast(header)
+        header = header.cpu()
+        meta_len, payload_len = (int(x) for x in header[:16].view(torch.int64))
+        if meta_len == 0:
+            return None
+        raw = header[16:16 + meta_len].numpy().tobytes()
+        if meta_len > _HEADER - 16:
+            rest = torch.empty(meta_len - (_HEADER - 16), dtype=torch.uint8, device=self._device)
+            self._bcast(rest)
+            raw += rest.cpu().numpy().tobytes()
+        payload = self._buffer(slot, payload_len)
+        self._bcast(payload)
+        return pickle.loads(raw), payload
+
     def _buckets(self) -> Iterator[tuple[dict, torch.Tensor]]:
-        """(meta, payload) per bucket; each payload overwrites the previous one (same buffer)."""
-        while True:
-            header = torch.zeros(2, dtype=torch.int64, device=self._device)
-            self._bcast(header)
-            meta_len, payload_len = (int(x) for x in header.tolist())
-            if meta_len == 0:
-                return
-            raw = torch.empty(meta_len, dtype=torch.uint8, device=self._device)
-            self._bcast(raw)
-            payload = self._buffer(payload_len)
-            self._bcast(payload)
-            yield pickle.loads(raw.cpu().numpy().tobytes()), payload
+        """(meta, payload) per bucket, receiving one bucket ahead into the other buffer.
+
+        Asking for bucket i + 1 starts the receive of bucket i + 2 into bucket i's buffer.
+        """
+        slot, ahead = 0, self._comm.submit(self._recv_one, 0)
+        while (item := ahead.result()) is not None:
+            slot ^= 1
+            ahead = self._comm.submit(self._recv_one, slot)
+            yield item
 
     def receive(self, load: LoadFn, *, strict: bool = True) -> dict:
         """Receive one transfer and `load(buckets, version)` it.
 
-        `load` gets views into this transport's reused buffer: it must copy a bucket (e.g.
+        `load` gets views into this transport's reused buffers: it must copy a bucket (e.g.
         `param.copy_(tensor)`) before it asks for the next one, and keep no reference to it.
         """
         start, stats = time.perf_counter(), {"bytes": 0, "buckets": 0, "bad": [], "unchecked": 0}
@@ -318,8 +352,22 @@ class CollectiveTransport:
     def close(self) -> None:
         from raygraph.cluster import collective
 
-        self._buf = torch.empty(0, dtype=torch.uint8, device=self._device)
+        self._comm.shutdown(wait=True)
+        self._bufs = []
         collective.leave(self.group_name)
+
+
+def _header(meta: dict, payload: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """The header broadcast(s) of one bucket: lengths + pickled meta in `_HEADER` bytes (+ the rest)."""
+    raw = pickle.dumps(meta)
+    header = torch.zeros(_HEADER, dtype=torch.uint8)
+    header[:16].view(torch.int64)[:] = torch.tensor([len(raw), payload.numel()])
+    head = raw[:_HEADER - 16]
+    header[16:16 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    parts = [header.to(device)]
+    if len(raw) > len(head):
+        parts.append(torch.frombuffer(bytearray(raw[len(head):]), dtype=torch.uint8).to(device))
+    return parts
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
