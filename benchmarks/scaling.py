@@ -8,10 +8,13 @@ sync: for each random-init model size, the verified weight sync of `raygraph.clu
   one rollout over the gloo collective group, disaggregated; and in-process, colocated) against
   a raw `ray.util.collective` gloo broadcast of the same bytes; `vs_raw` = raw seconds / sync
   seconds (1.0 = as fast as the bare broadcast). The measuring code is `benchmarks/weight_sync.py`
-  (imported). Also, without Ray, the single operations a disaggregated sync is made of, timed
-  on the same model in this process (1 thread): `weight_buckets` (one clone per tensor), `pack_bucket`
-  (copy into one flat payload + CRC-32), the receiver's `unpack_bucket` + CRC-32, and
-  `load_weights` (copy into the rollout model).
+  (imported). `transport_paired`: one policy/rollout actor pair times, interleaved, a raw
+  broadcast over the sync's own group and the sync with and without checksums (CPU seconds of
+  both processes too). Also, without Ray, the single operations a disaggregated sync is made of,
+  timed on the same model in this process (1 thread): `weight_buckets` (no copy when unsharded),
+  `pack_bucket` into a reused buffer (copy alone, copy + CRC-32) and into a fresh one (the old
+  path), CRC-32 alone, the receiver's `unpack_bucket` + CRC-32, and `load_weights` (copy into
+  the rollout model).
 batch: `benchmarks/step_time.py` on configs/demo.yaml with data.prompts_per_step = each value
   (rollout.n = 8, so 8x the samples; the demo's 64-sample mini-batch is kept, so the work per
   sample is constant), `--rounds` times in alternating order; reports the median over runs of
@@ -61,19 +64,25 @@ def sync_components(model_path: str, repeats: int, bucket_bytes: int) -> dict:
     torch.set_num_threads(1)   # as in the actors (OMP_NUM_THREADS=1)
     policy = PolicyWorker(model_path=model_path, lr=1e-6)
     rollout = HFRolloutWorker(model_path=model_path, max_new_tokens=1)
+    cpu = torch.device("cpu")
     buckets = list(policy.weight_buckets(bucket_bytes))
-    packed = [pack_bucket(b, torch.device("cpu")) for b in buckets]
+    packed = [pack_bucket(b, cpu) for b in buckets]
+    buf = torch.empty(max(p.numel() for _, p in packed), dtype=torch.uint8)
     out = {
-        "weight_buckets_clone_s": _median_time(lambda: [None for _ in policy.weight_buckets(bucket_bytes)], repeats),
-        "pack_bucket_copy_and_crc_s": _median_time(lambda: [pack_bucket(b, torch.device("cpu")) for b in buckets],
-                                                   repeats),
+        "weight_buckets_s": _median_time(lambda: [None for _ in policy.weight_buckets(bucket_bytes)], repeats),
+        "pack_reused_copy_s": _median_time(lambda: [pack_bucket(b, cpu, buf, checksum=False) for b in buckets],
+                                           repeats),
+        "pack_reused_copy_and_crc_s": _median_time(lambda: [pack_bucket(b, cpu, buf) for b in buckets], repeats),
         "crc32_one_side_s": _median_time(lambda: [bucket_checksum(t for _, t in b) for b in buckets], repeats),
         "receiver_unpack_and_crc_s": _median_time(
             lambda: [bucket_checksum(t for _, t in unpack_bucket(m, p)) for m, p in packed], repeats),
         "load_weights_copy_s": _median_time(
             lambda: rollout.load_weights((unpack_bucket(m, p) for m, p in packed), 1), repeats),
     }
-    out["sum_s"] = sum(out.values())
+    # the serial work of one verified sync (the transport overlaps sender and receiver parts)
+    out["sum_s"] = sum(out[k] for k in ("weight_buckets_s", "pack_reused_copy_and_crc_s",
+                                        "receiver_unpack_and_crc_s", "load_weights_copy_s"))
+    out["pack_fresh_copy_and_crc_s"] = _median_time(lambda: [pack_bucket(b, cpu) for b in buckets], repeats)
     return {k: round(v, 4) for k, v in out.items()}
 
 
@@ -81,7 +90,7 @@ def run_sync(args) -> dict:
     import ray
 
     sys.path.insert(0, str(HERE))
-    from weight_sync import raw_broadcast, roles_sync  # benchmarks/weight_sync.py
+    from weight_sync import raw_broadcast, roles_sync, transport_sync  # benchmarks/weight_sync.py
 
     from raygraph.models.tiny import build_tiny_lm
 
@@ -99,6 +108,7 @@ def run_sync(args) -> dict:
                 entry["colocated_in_process"] = roles_sync(path, "colocated", 1, args.repeats, bucket_bytes)
                 nbytes = entry["disaggregated_1rx"]["bytes"]
                 raw_s = raw_broadcast(nbytes, 1, args.repeats)
+                entry["transport_paired"] = transport_sync(path, nbytes, args.repeats, bucket_bytes)
             finally:
                 ray.shutdown()
             entry["raw_collective_1rx"] = {"sync_s": round(raw_s, 4), "gbytes_per_s": round(nbytes / raw_s / 1e9, 3)}

@@ -6,7 +6,10 @@ For each model (saved with `raygraph.models.tiny.build_tiny_lm`, size "tiny" and
   verified, bucketed broadcast (`CollectiveTransport`, gloo);
 * colocated: the same pair fused in one actor (`InProcessTransport`);
 * raw: a bare `ray.util.collective` gloo broadcast of the same number of bytes as one flat
-  buffer between plain actors (no packing, checksums or loading): the floor for the transport.
+  buffer between plain actors (no packing, checksums or loading): the floor for the transport;
+* transport_paired_1rx: one policy/rollout actor pair (`TransportPeer`, no `build_roles`) timing,
+  interleaved, a raw broadcast over the sync's own group and `CollectiveTransport` syncs with
+  checksums (verified) and without (`verify=False`), with the CPU seconds of both processes.
 
     .venv/bin/python benchmarks/weight_sync.py [--repeats 3] [--sizes tiny,100m]
 
@@ -62,6 +65,83 @@ def raw_broadcast(nbytes: int, receivers: int, repeats: int) -> float:
     return statistics.median(max(ts[i] for ts in times) for i in range(repeats))
 
 
+class TransportPeer:
+    """One end of a disaggregated sync outside `build_roles`: a worker and a `CollectiveTransport`.
+
+    Rank 0 holds a `PolicyWorker` and sends; rank 1 holds an `HFRolloutWorker` and receives.
+    The same pair also times a raw broadcast of the same bytes over the same group, so the
+    three variants (raw, verified, unverified) are measured back to back under the same load.
+    """
+
+    def __init__(self, model_path: str, rank: int, group: str):
+        torch.set_num_threads(1)
+        self.rank, self.group = rank, group
+        self.worker = (PolicyWorker(model_path=model_path, lr=1e-6) if rank == 0
+                       else HFRolloutWorker(model_path=model_path, max_new_tokens=1))
+
+    def open(self) -> tuple[str, int]:
+        from raygraph.cluster import collective
+
+        return collective.open_store(self.group, 2, 120.0)
+
+    def join(self, addr: str, port: int) -> None:
+        from raygraph.cluster import collective
+        from raygraph.cluster.weights import CollectiveTransport
+
+        collective.join(self.group, self.rank, 2, addr, port, device="cpu", timeout_s=120.0,
+                        labels=["policy rank 0", "rollout rank 0"])
+        self.transport = CollectiveTransport(self.group, src=0)
+        self.raw_buf = None
+
+    def sync(self, verify: bool, version: int, bucket_bytes: int) -> tuple[float, float]:
+        """(seconds, CPU seconds of this process) for one sync."""
+        self.transport.verify = verify
+        cpu = time.process_time()
+        if self.rank == 0:
+            out = self.transport.send(self.worker.weight_buckets(bucket_bytes), version)
+        else:
+            out = self.transport.receive(self.worker.load_weights)
+            assert out["weights/verified"] == float(verify), out
+        return out["weights/sync_s"], time.process_time() - cpu
+
+    def raw(self, nbytes: int) -> tuple[float, float]:
+        import ray.util.collective as col
+
+        if self.raw_buf is None or self.raw_buf.numel() != nbytes:
+            self.raw_buf = torch.ones(nbytes, dtype=torch.uint8)
+        self.transport._group.arrive("raw")
+        start, cpu = time.perf_counter(), time.process_time()
+        col.broadcast(self.raw_buf, src_rank=0, group_name=self.group)
+        return time.perf_counter() - start, time.process_time() - cpu
+
+
+def transport_sync(model_path: str, nbytes: int, repeats: int, bucket_bytes: int) -> dict:
+    """Median seconds (and CPU seconds, both processes) of raw / verified / unverified, interleaved."""
+    peer = ray.remote(num_cpus=0.5)(TransportPeer)
+    group = f"bench-transport-{nbytes}"
+    actors = [peer.remote(model_path, r, group) for r in range(2)]
+    addr, port = ray.get(actors[0].open.remote())
+    ray.get([a.join.remote(addr, port) for a in actors])
+    runs: dict[str, list[tuple[float, float]]] = {"raw": [], "verified": [], "unverified": []}
+    version = 0
+    for i in range(repeats + 1):   # the first round warms the buffers up and is dropped
+        for what in ("raw", "verified", "unverified"):
+            if what == "raw":
+                out = ray.get([a.raw.remote(nbytes) for a in actors])
+            else:
+                version += 1
+                out = ray.get([a.sync.remote(what == "verified", version, bucket_bytes) for a in actors])
+            if i:
+                runs[what].append((max(s for s, _ in out), sum(c for _, c in out)))
+    for a in actors:
+        ray.kill(a)
+    result = {what: {"sync_s": round(statistics.median(s for s, _ in r), 4),
+                     "cpu_s_both": round(statistics.median(c for _, c in r), 4)} for what, r in runs.items()}
+    for what in ("verified", "unverified"):
+        result[what]["vs_raw"] = round(result["raw"]["sync_s"] / result[what]["sync_s"], 3)
+    return result
+
+
 def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_bytes: int) -> dict:
     pools = {"train": PoolSpec(bundles=receivers + (mode == "disaggregated"), cpus_per_bundle=1.0)}
     specs = {"policy": RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6}, pool="train"),
@@ -106,6 +186,7 @@ def main() -> None:
             entry["colocated_1rank"] = roles_sync(path, "colocated", 1, args.repeats, args.bucket_mb << 20)
             nbytes = entry["disaggregated_1rx"]["bytes"]
             entry["params"] = nbytes // 4
+            entry["transport_paired_1rx"] = transport_sync(path, nbytes, args.repeats, args.bucket_mb << 20)
             for receivers in (1, 2):
                 raw_s = raw_broadcast(nbytes, receivers, args.repeats)
                 entry[f"raw_collective_{receivers}rx"] = {"sync_s": round(raw_s, 4),
