@@ -139,7 +139,7 @@ def _steps(logs: str) -> list[int]:
 
 def test_job_succeeds_and_leaves_nothing_behind(head, client, workdir):
     job = _submit(client, _train_command(workdir, "two-steps", "trainer.total_steps=2",
-                                         "trainer.executor=interpreted"))
+                                         "trainer.executor=interpreted", "trainer.profile=true"))
     status = _wait_done(client, job)
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
@@ -157,9 +157,11 @@ def test_job_succeeds_and_leaves_nothing_behind(head, client, workdir):
     assert {"policy", "rollout", "reward", "coordinator"} <= roles, names
     groups = [g["name"] for g in _named(head, StateResource.PLACEMENT_GROUPS, "grpo_toy/two-steps/")]
     assert groups == ["grpo_toy/two-steps/main"]  # one pool when colocated
-    # interpreted executor: every stage is a task named <role>.<method> in the dashboard's timeline
+    # profile: every stage is a task named <role>.<method> in the dashboard, and in timeline.json
     tasks = {t["name"] for t in _rows(head, StateResource.TASKS)}
     assert {"rollout.generate", "reward.score", "policy.update"} <= tasks, sorted(tasks)
+    events = json.loads((run_dir / "timeline.json").read_text())
+    assert {"task::rollout.generate", "task::policy.update"} <= {e.get("cat") for e in events}
 
 
 def test_stop_checkpoints_then_resume_finishes(head, client, workdir):
