@@ -352,8 +352,8 @@ class CollectiveTransport:
     def close(self) -> None:
         from raygraph.cluster import collective
 
-        self._comm.shutdown(wait=True)
-        self._bufs = []
+        self._comm.shutdown(wait=False, cancel_futures=True)   # a broadcast stuck on a dead peer
+        self._bufs = []                                         # fails when the group goes
         collective.leave(self.group_name)
 
 
