@@ -13,8 +13,10 @@ Two transports behind one small interface (`WeightTransport`):
   the copy into it) and overlaps the broadcast of one bucket with packing, checksumming or
   loading the next.
 
-Receivers recompute each bucket's checksum (`bucket_checksum`) and compare it with the one the
-sender computed before the bytes left; a mismatch is never loaded. Every transfer carries a
+Receivers recompute each bucket's checksum (`bucket_checksum`: XXH3-64 of the tensors' bytes on
+CPU, integer sums on GPU) and compare it with the one the sender computed before the bytes left;
+a mismatch is never loaded. `CollectiveTransport(verify=False)` skips both checksums (reported
+as `weights/verified` = 0). Every transfer carries a
 `weight_version` that increases by one per sync; the rollout stamps it on the rows it generates.
 The buckets a receiver hands to `load` may be views into a reused buffer: `load` must copy a
 bucket before it asks for the next (see `WeightTransport`).
@@ -24,12 +26,12 @@ from __future__ import annotations
 
 import pickle
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from raygraph.cluster.errors import WeightSyncError
 
@@ -43,20 +45,25 @@ _HEADER = 16 << 10   # bytes: two int64 lengths + the pickled meta of a typical 
 
 
 def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
-    """A cheap, exact digest of the tensors' bytes (CRC-32 on CPU; integer sums on GPU).
+    """A cheap digest of the tensors' bytes (XXH3-64 on CPU; integer sums on GPU).
 
-    Computed by the sender before the bytes leave and by the receiver on what it is about to
-    load; both sides of one transport use the same device type, hence the same algorithm.
+    Each tensor's digest seeds the next one's, so a changed byte, a reordering or a missing
+    tensor changes the result. Computed by the sender before the bytes leave and by the
+    receiver on what it is about to load; both sides of one transport use the same device
+    type, hence the same algorithm.
     """
-    crc = 0
+    digest = 0
     for t in tensors:
-        crc = _digest(t.detach().contiguous().reshape(-1).view(torch.uint8), crc)
-    return crc
+        digest = _digest(t.detach().contiguous().reshape(-1).view(torch.uint8), digest)
+    return digest
 
 
 def _digest(raw: torch.Tensor, seed: int) -> int:
-    # zlib releases the GIL on large buffers, so this overlaps the communication thread.
-    return _device_digest(raw, seed) if raw.is_cuda else zlib.crc32(memoryview(raw.numpy()), seed)
+    # XXH3-64 runs at memory speed (~35 GB/s on one core; zlib's CRC-32: ~7) and xxhash >= 3.0
+    # releases the GIL while hashing, so it overlaps the communication thread.
+    if raw.is_cuda:
+        return _device_digest(raw, seed)
+    return xxhash.xxh3_64_intdigest(memoryview(raw.numpy()), seed)
 
 
 def _device_digest(raw: torch.Tensor, seed: int) -> int:
@@ -88,15 +95,15 @@ def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None =
         end += _aligned(t.numel() * t.element_size())
     fits = out is not None and out.numel() >= end
     payload = out[:end] if fits else torch.empty(end, dtype=torch.uint8, device=device)
-    crc = 0
+    digest = 0
     for (_, t), off in zip(bucket, offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         payload[off:off + raw.numel()].copy_(raw)
         payload[off + raw.numel():off + _aligned(raw.numel())].zero_()   # deterministic padding
         if checksum:   # of the source, right after the copy read it (cache-warm); = bucket_checksum
-            crc = _digest(raw, crc)
+            digest = _digest(raw, digest)
     meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets,
-            "checksum": crc if checksum else None}
+            "checksum": digest if checksum else None}
     return meta, payload
 
 
@@ -188,7 +195,7 @@ class InProcessTransport:
 def _mismatch(version: int, index: int, bucket: Bucket, sent: int, got: int) -> str:
     names = [name for name, _ in bucket]
     return (f"weight sync v{version}: bucket {index} ({len(names)} tensors, first {names[:3]}) "
-            f"failed verification: sender checksum {sent:#010x}, receiver {got:#010x}; "
+            f"failed verification: sender checksum {sent:#018x}, receiver {got:#018x}; "
             f"the bucket was NOT loaded")
 
 
@@ -220,7 +227,7 @@ class CollectiveTransport:
 
     Pipelined: a communication thread broadcasts bucket i while the calling thread packs and
     checksums bucket i + 1 (sender) or checks and loads bucket i - 1 (receiver); gloo/NCCL
-    waits and zlib release the GIL. Each side keeps two payload buffers (one on the wire, one
+    waits and xxhash release the GIL. Each side keeps two payload buffers (one on the wire, one
     being packed or loaded), sized to the largest bucket seen and reused by every bucket of
     every sync, so a steady-state sync touches no fresh pages. A receiver's buckets are views
     into those buffers: `load` must copy a bucket before it asks for the next one (the receive
