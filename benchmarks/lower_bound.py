@@ -188,7 +188,7 @@ class RaygraphLoop:
         self.roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=p.mode,
                                  colocate=colocation(cfg, specs), placement_timeout_s=p.placement_timeout_s,
                                  weight_sync_timeout_s=p.weight_sync_timeout_s,
-                                 bucket_bytes=p.weight_bucket_mb << 20,
+                                 bucket_bytes=p.weight_bucket_mb << 20, weight_sync_verify=p.weight_sync_verify,
                                  env_vars={"OMP_NUM_THREADS": str(actor_threads)} if actor_threads else None)
         if cfg.trainer.warm_start is not None:
             run_warm_start(cfg, self.roles)

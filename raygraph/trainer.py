@@ -155,7 +155,8 @@ def run(cfg, address: str | None = None) -> RunSummary:
     roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=cfg.placement.mode,
                         colocate=colocation(cfg, specs), placement_timeout_s=cfg.placement.placement_timeout_s,
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
-                        bucket_bytes=cfg.placement.weight_bucket_mb << 20)
+                        bucket_bytes=cfg.placement.weight_bucket_mb << 20,
+                        weight_sync_verify=cfg.placement.weight_sync_verify)
     tracker = executor = None
     status, steps_done, stopped = "FAILED", 0, False
     kl_cfg = cfg.algorithm.kl_in_reward

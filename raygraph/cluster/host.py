@@ -136,7 +136,7 @@ class RoleHost:
         return collective.open_store(group, world, timeout_s)
 
     def weights_join(self, role: str, group: str, rank: int, world: int, addr: str, port: int,
-                     timeout_s: float, labels: list[str]) -> None:
+                     timeout_s: float, labels: list[str], verify: bool = True) -> None:
         import torch
 
         from raygraph.cluster import collective
@@ -146,7 +146,7 @@ class RoleHost:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             collective.join(group, rank, world, addr, port, device=device, timeout_s=timeout_s,
                             labels=labels)
-            self._transports[group] = CollectiveTransport(group, src=0)
+            self._transports[group] = CollectiveTransport(group, src=0, verify=verify)
 
     def _next_version(self, key: str, version: int | None) -> int:
         self._versions[key] = self._versions.get(key, 0) + 1 if version is None else version

@@ -106,9 +106,11 @@ class RoleGroup:
 class Roles:
     """All role groups of a run, their placement groups and the coordinator actor."""
 
-    def __init__(self, run_name: str, mode: str, bucket_bytes: int, weight_sync_timeout_s: float):
+    def __init__(self, run_name: str, mode: str, bucket_bytes: int, weight_sync_timeout_s: float,
+                 weight_sync_verify: bool = True):
         self.run_name, self.mode = run_name, mode
         self.bucket_bytes, self.weight_sync_timeout_s = bucket_bytes, weight_sync_timeout_s
+        self.weight_sync_verify = weight_sync_verify
         self.groups: dict[str, RoleGroup] = {}
         self.placement_groups: dict[str, Any] = {}
         self.hosts: list = []
@@ -209,7 +211,8 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
                 mode: str = "colocated", colocate: Sequence[Sequence[str]] = (),
                 placement_timeout_s: float = 60.0, weight_sync_timeout_s: float = 60.0,
                 bucket_bytes: int = 64 << 20, env_vars: dict[str, str] | None = None,
-                weight_sync: Sequence[tuple[str, str]] = (("policy", "rollout"),)) -> Roles:
+                weight_sync: Sequence[tuple[str, str]] = (("policy", "rollout"),),
+                weight_sync_verify: bool = True) -> Roles:
     """Create the placement groups, actors and workers of a run.
 
     Args:
@@ -229,6 +232,8 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
             at least 1), as Ray does for tasks with `num_cpus`.
         weight_sync: (src, dst) role pairs whose weights are synced; pairs with a missing role
             are skipped. Pairs not fused get a collective group created here.
+        weight_sync_verify: the collective groups' senders checksum every bucket and receivers
+            refuse a bucket that does not match (in-process syncs of fused pairs always check).
 
     Raises:
         PlacementError: a pool could not be placed in time. RoleError: an actor failed to start.
@@ -245,7 +250,7 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
                 if src in unit and dst in unit:
                     raise ValueError(f"disaggregated mode cannot fuse {src!r} and {dst!r} (colocate={tuple(unit)}); "
                                      "use mode='colocated' or colocate them separately")
-    roles = Roles(run_name, mode, bucket_bytes, weight_sync_timeout_s)
+    roles = Roles(run_name, mode, bucket_bytes, weight_sync_timeout_s, weight_sync_verify)
     try:
         for name, spec in pools.items():
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)

@@ -32,7 +32,8 @@ def setup_weight_groups(roles: Roles, pairs: list[tuple[str, str]]) -> None:
         world, timeout = len(members), roles.weight_sync_timeout_s
         addr, port = wait_calls([sender.actors[0].weights_open.remote(name, world, timeout)],
                                 sender.sites[:1], ["weights_open"])[0]
-        refs = [actor.weights_join.remote(role, name, rank, world, addr, port, timeout, labels)
+        refs = [actor.weights_join.remote(role, name, rank, world, addr, port, timeout, labels,
+                                          roles.weight_sync_verify)
                 for rank, (actor, _, role) in enumerate(members)]
         wait_calls(refs, [m[1] for m in members], ["weights_join"] * world, timeout_s=timeout + 10)
         roles.weight_groups[(src, dst)] = name

@@ -190,6 +190,20 @@ def test_collective_member_missing_times_out_naming_it(dummies):
         assert time.monotonic() - start < 8
 
 
+def test_unverified_weight_sync_reaches_the_transport(dummies):
+    """build_roles(weight_sync_verify=False): the sender sends no checksums, the rollout loads
+    the weights bit for bit and the sync says it was not verified."""
+    pools = {"p": PoolSpec(bundles=2, cpus_per_bundle=0.5)}
+    specs = {"policy": RoleSpec(dummies.Policy, {"seed": 0}, world_size=1, pool="p"),
+             "rollout": RoleSpec(dummies.Rollout, {"seed": 1}, world_size=1, pool="p")}
+    with build_roles("test-runtime/unverified", pools, specs, mode="disaggregated", bucket_bytes=300,
+                     weight_sync_verify=False) as roles:
+        report = roles.sync_weights_now()
+        assert report["weights/verified"] == 0.0 and report["weights/receivers"] == 1.0
+        policy, rollout = roles.policy.call_rank0("state"), roles.rollout.call_rank0("state")
+        assert all(torch.equal(policy[k], rollout[k]) for k in policy)
+
+
 def _stable(runs):
     """Step outputs without wall times and weight-version numbers (those count every sync)."""
     out = []
