@@ -6,20 +6,22 @@ Two transports behind one small interface (`WeightTransport`):
   worker in the same process; no copy over the network.
 * `CollectiveTransport` (disaggregated): a bucketed broadcast from the policy's rank 0 to every
   rollout rank over a `ray.util.collective` group. Per bucket: a fixed-size header (meta length,
-  payload length, then the pickled meta: names, shapes, dtypes, offsets, checksum, version; a
-  meta too long for it continues in a second broadcast) and one flat payload. An end marker
-  (a header of zeros) closes a transfer. Each side reuses two payload
-  buffers for every bucket of every sync (a fresh 64 MiB buffer costs more in page faults than
-  the copy into it) and overlaps the broadcast of one bucket with packing, checksumming or
-  loading the next.
+  payload length, then the pickled meta: names, shapes, dtypes, offsets, parts, checksum,
+  version; a meta too long for it continues in a second broadcast) and the flat payload, in
+  parts: each run of small tensors is packed and sent as one part, each tensor of at least
+  `_DIRECT` bytes is sent from its own storage (no copy on the sender); the receiver gets every
+  part into one flat payload. An end marker (a header of zeros) closes a transfer. Each side
+  reuses two payload buffers for every bucket of every sync (a fresh 64 MiB buffer costs more
+  in page faults than the copy into it) and overlaps the broadcast of one bucket with packing,
+  checksumming or loading the next.
 
 Receivers recompute each bucket's checksum (`bucket_checksum`: XXH3-64 of the tensors' bytes on
 CPU, integer sums on GPU) and compare it with the one the sender computed before the bytes left;
 a mismatch is never loaded. `CollectiveTransport(verify=False)` skips both checksums (reported
-as `weights/verified` = 0). Every transfer carries a
-`weight_version` that increases by one per sync; the rollout stamps it on the rows it generates.
-The buckets a receiver hands to `load` may be views into a reused buffer: `load` must copy a
-bucket before it asks for the next (see `WeightTransport`).
+as `weights/verified` = 0). Every transfer carries a `weight_version` that increases by one per
+sync; the rollout stamps it on the rows it generates. The buckets a receiver hands to `load` may
+be views into a reused buffer: `load` must copy a bucket before it asks for the next (see
+`WeightTransport`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ Bucket = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[Iterable[Bucket], int], Any]   # rollout_worker.load_weights(buckets, version)
 _ALIGN = 16
 _HEADER = 16 << 10   # bytes: two int64 lengths + the pickled meta of a typical bucket
+_DIRECT = 1 << 20    # bytes: the sender broadcasts tensors this large from their own storage
 
 
 def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
@@ -54,7 +57,7 @@ def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
     """
     digest = 0
     for t in tensors:
-        digest = _digest(t.detach().contiguous().reshape(-1).view(torch.uint8), digest)
+        digest = _digest(_raw(t), digest)
     return digest
 
 
@@ -75,7 +78,7 @@ def _device_digest(raw: torch.Tensor, seed: int) -> int:
 
 
 def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None = None, *,
-                checksum: bool = True) -> tuple[dict, torch.Tensor]:
+                checksum: bool = True, direct_bytes: int | None = None) -> tuple[dict, torch.Tensor]:
     """Copy a bucket into one flat uint8 payload; meta says how to cut it back into tensors.
 
     Args:
@@ -85,6 +88,12 @@ def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None =
             view of its first bytes); otherwise a new one is allocated.
         checksum: compute `meta["checksum"]` (`bucket_checksum` of the tensors); else None
             (the receivers then load without verifying).
+        direct_bytes: tensors of at least this many bytes are not copied: their range of the
+            payload is left as it is and the sender broadcasts them from their own storage
+            (`_wire`). None: copy every tensor.
+
+    `meta["parts"]`: the (start, end, direct) payload ranges broadcast one after another; runs of
+    packed tensors form one part, a direct tensor one part of its own.
     """
     names, shapes, dtypes, offsets, end = [], [], [], [], 0
     for name, t in bucket:
@@ -95,16 +104,36 @@ def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None =
         end += _aligned(t.numel() * t.element_size())
     fits = out is not None and out.numel() >= end
     payload = out[:end] if fits else torch.empty(end, dtype=torch.uint8, device=device)
-    digest = 0
+    digest, parts = 0, []
     for (_, t), off in zip(bucket, offsets):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        payload[off:off + raw.numel()].copy_(raw)
-        payload[off + raw.numel():off + _aligned(raw.numel())].zero_()   # deterministic padding
+        raw = _raw(t)
+        direct = direct_bytes is not None and raw.numel() >= direct_bytes
+        if direct:
+            parts.append((off, off + raw.numel(), True))
+        else:
+            payload[off:off + raw.numel()].copy_(raw)
+            payload[off + raw.numel():off + _aligned(raw.numel())].zero_()   # deterministic padding
+            if parts and not parts[-1][2]:
+                parts[-1] = (parts[-1][0], off + _aligned(raw.numel()), False)
+            else:
+                parts.append((off, off + _aligned(raw.numel()), False))
         if checksum:   # of the source, right after the copy read it (cache-warm); = bucket_checksum
             digest = _digest(raw, digest)
-    meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets,
+    meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets, "parts": parts,
             "checksum": digest if checksum else None}
     return meta, payload
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (a view when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _wire(bucket: Bucket, meta: dict, payload: torch.Tensor) -> list[torch.Tensor]:
+    """What the sender broadcasts for each of `meta["parts"]`: a payload range, or a direct
+    tensor's own bytes (the receiver gets both into the same ranges of its payload)."""
+    by_offset = {off: t for (_, t), off in zip(bucket, meta["offsets"])}
+    return [_raw(by_offset[start]) if direct else payload[start:end] for start, end, direct in meta["parts"]]
 
 
 def unpack_bucket(meta: dict, payload: torch.Tensor) -> Bucket:
@@ -225,8 +254,8 @@ def combine_stats(sender: dict, receivers: list[dict]) -> dict:
 class CollectiveTransport:
     """Bucketed broadcast over a `ray.util.collective` group; rank `src` sends, the rest receive.
 
-    Pipelined: a communication thread broadcasts bucket i while the calling thread packs and
-    checksums bucket i + 1 (sender) or checks and loads bucket i - 1 (receiver); gloo/NCCL
+    Pipelined: a communication thread broadcasts bucket i while the calling thread packs the
+    small tensors of bucket i + 1 and checksums it (sender) or checks and loads bucket i - 1 (receiver); gloo/NCCL
     waits and xxhash release the GIL. Each side keeps two payload buffers (one on the wire, one
     being packed or loaded), sized to the largest bucket seen and reused by every bucket of
     every sync, so a steady-state sync touches no fresh pages. A receiver's buckets are views
@@ -260,8 +289,8 @@ class CollectiveTransport:
 
         col.broadcast(tensor, src_rank=self.src, group_name=self.group_name)
 
-    def _send_one(self, header: list[torch.Tensor], payload: torch.Tensor) -> None:
-        for part in header + [payload]:   # communication thread: as few broadcasts as possible
+    def _send_all(self, parts: list[torch.Tensor]) -> None:
+        for part in parts:   # communication thread
             self._bcast(part)
 
     def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
@@ -274,12 +303,14 @@ class CollectiveTransport:
                 if on_wire[slot] is not None:
                     on_wire[slot].result()             # bucket index - 2 has left this buffer
                 nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in bucket)
+                direct = None if index == corrupt_bucket else _DIRECT   # never corrupt a live tensor
                 meta, payload = pack_bucket(bucket, self._device, self._buffer(slot, nbytes),
-                                            checksum=self.verify)
+                                            checksum=self.verify, direct_bytes=direct)
                 meta.update(version=version, index=index)
                 if index == corrupt_bucket:
                     payload[0] ^= 0xFF
-                on_wire[slot] = self._comm.submit(self._send_one, _header(meta, payload, self._device), payload)
+                parts = _header(meta, payload, self._device) + _wire(bucket, meta, payload)
+                on_wire[slot] = self._comm.submit(self._send_all, parts)
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += 1
             end = torch.zeros(_HEADER, dtype=torch.uint8, device=self._device)
@@ -302,9 +333,10 @@ class CollectiveTransport:
             rest = torch.empty(meta_len - (_HEADER - 16), dtype=torch.uint8, device=self._device)
             self._bcast(rest)
             raw += rest.cpu().numpy().tobytes()
-        payload = self._buffer(slot, payload_len)
-        self._bcast(payload)
-        return pickle.loads(raw), payload
+        meta, payload = pickle.loads(raw), self._buffer(slot, payload_len)
+        for start, end, _ in meta["parts"]:
+            self._bcast(payload[start:end])
+        return meta, payload
 
     def _buckets(self) -> Iterator[tuple[dict, torch.Tensor]]:
         """(meta, payload) per bucket, receiving one bucket ahead into the other buffer.
