@@ -12,9 +12,10 @@ sync: for each random-init model size, the verified weight sync of `raygraph.clu
   broadcast over the sync's own group and the sync with and without checksums (CPU seconds of
   both processes too). Also, without Ray, the single operations a disaggregated sync is made of,
   timed on the same model in this process (1 thread): `weight_buckets` (no copy when unsharded),
-  `pack_bucket` into a reused buffer (copy alone, copy + CRC-32) and into a fresh one (the old
-  path), CRC-32 alone, the receiver's `unpack_bucket` + CRC-32, and `load_weights` (copy into
-  the rollout model).
+  `pack_bucket` into a reused buffer (copy alone, copy + XXH3 digest, and as the transport packs:
+  tensors >= 1 MiB left to be sent from their own storage, + digest) and into a fresh one (the
+  old path), the digest alone, the receiver's `unpack_bucket` + digest, and `load_weights` (copy
+  into the rollout model).
 batch: `benchmarks/step_time.py` on configs/demo.yaml with data.prompts_per_step = each value
   (rollout.n = 8, so 8x the samples; the demo's 64-sample mini-batch is kept, so the work per
   sample is constant), `--rounds` times in alternating order; reports the median over runs of
@@ -57,7 +58,7 @@ def sync_components(model_path: str, repeats: int, bucket_bytes: int) -> dict:
     """Seconds of each single operation of a disaggregated sync, in this process (1 thread)."""
     import torch
 
-    from raygraph.cluster.weights import bucket_checksum, pack_bucket, unpack_bucket
+    from raygraph.cluster.weights import _DIRECT, bucket_checksum, pack_bucket, unpack_bucket
     from raygraph.workers.policy import PolicyWorker
     from raygraph.workers.rollout_hf import HFRolloutWorker
 
@@ -72,17 +73,20 @@ def sync_components(model_path: str, repeats: int, bucket_bytes: int) -> dict:
         "weight_buckets_s": _median_time(lambda: [None for _ in policy.weight_buckets(bucket_bytes)], repeats),
         "pack_reused_copy_s": _median_time(lambda: [pack_bucket(b, cpu, buf, checksum=False) for b in buckets],
                                            repeats),
-        "pack_reused_copy_and_crc_s": _median_time(lambda: [pack_bucket(b, cpu, buf) for b in buckets], repeats),
-        "crc32_one_side_s": _median_time(lambda: [bucket_checksum(t for _, t in b) for b in buckets], repeats),
-        "receiver_unpack_and_crc_s": _median_time(
+        "pack_reused_copy_and_digest_s": _median_time(lambda: [pack_bucket(b, cpu, buf) for b in buckets],
+                                                      repeats),
+        "pack_transport_direct_and_digest_s": _median_time(
+            lambda: [pack_bucket(b, cpu, buf, direct_bytes=_DIRECT) for b in buckets], repeats),
+        "digest_one_side_s": _median_time(lambda: [bucket_checksum(t for _, t in b) for b in buckets], repeats),
+        "receiver_unpack_and_digest_s": _median_time(
             lambda: [bucket_checksum(t for _, t in unpack_bucket(m, p)) for m, p in packed], repeats),
         "load_weights_copy_s": _median_time(
             lambda: rollout.load_weights((unpack_bucket(m, p) for m, p in packed), 1), repeats),
     }
     # the serial work of one verified sync (the transport overlaps sender and receiver parts)
-    out["sum_s"] = sum(out[k] for k in ("weight_buckets_s", "pack_reused_copy_and_crc_s",
-                                        "receiver_unpack_and_crc_s", "load_weights_copy_s"))
-    out["pack_fresh_copy_and_crc_s"] = _median_time(lambda: [pack_bucket(b, cpu) for b in buckets], repeats)
+    out["sum_s"] = sum(out[k] for k in ("weight_buckets_s", "pack_transport_direct_and_digest_s",
+                                        "receiver_unpack_and_digest_s", "load_weights_copy_s"))
+    out["pack_fresh_copy_and_digest_s"] = _median_time(lambda: [pack_bucket(b, cpu) for b in buckets], repeats)
     return {k: round(v, 4) for k, v in out.items()}
 
 
