@@ -46,7 +46,7 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.models.loading import load_causal_lm, load_tokenizer
-from raygraph.models.logprobs import position_ids_from_mask
+from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_runs
 from raygraph.workers.distributed import default_device
 
 __all__ = ["HFRolloutWorker", "filter_top_k_top_p"]
@@ -181,13 +181,14 @@ class HFRolloutWorker:
         prompt_ids, mask = prompt_ids[:, start:].to(self.device), prompt_mask[:, start:].long().to(self.device)
         rows = prompt_ids.shape[0]
         stop = torch.tensor(self.stop_token_ids, device=self.device)
-        out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                         use_cache=True, logits_to_keep=1)
+        # rows repeating a prompt (the n samples of each) share one prefill of it
+        logits, cache = prefill(self.model, prompt_ids, mask, position_ids_from_mask(mask),
+                                prompt_runs(prompt_ids, mask))
         next_position = mask.sum(-1, keepdim=True)  # (B, 1): position of the first response token
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         tokens, alive, logprobs = [], [], []
         for step in range(self.max_new_tokens):
-            token, logprob = self._pick(out.logits[:, -1], greedy)
+            token, logprob = self._pick(logits, greedy)
             token = token.masked_fill(finished, self.tokenizer.pad_token_id)
             alive.append(~finished)
             tokens.append(token)
@@ -197,7 +198,8 @@ class HFRolloutWorker:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                             cache=out.cache, use_cache=True)
+                             cache=cache, use_cache=True)
+            logits, cache = out.logits[:, -1], out.cache
             next_position = next_position + 1
         return (torch.stack(tokens, 1).cpu(), torch.stack(alive, 1).long().cpu(),
                 torch.stack(logprobs, 1).float().cpu())

@@ -7,7 +7,7 @@ import torch
 
 from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, Batch
 from raygraph.models.loading import load_causal_lm
-from raygraph.models.logprobs import position_ids_from_mask, response_logprobs
+from raygraph.models.logprobs import forward_response, position_ids_from_mask, prompt_runs, response_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,35 @@ def test_packed_layout_equals_padded(model, rollout_batch):
     lp_packed, ent_packed = response_logprobs(model, batch, micro_batch_size=5, with_entropy=True, packed=True)
     torch.testing.assert_close(lp_packed, lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_packed, ent, atol=1e-5, rtol=0)
+
+
+def _grouped(rollout_batch, groups: int, n: int, seed: int) -> Batch:
+    """`groups` prompts, each repeated for `n` rows with different responses (the GRPO layout)."""
+    prompts = rollout_batch(groups, seed=seed)
+    rows = rollout_batch(groups * n, seed=seed + 1)
+    return Batch({PROMPT_IDS: prompts[PROMPT_IDS].repeat_interleave(n, 0),
+                  PROMPT_MASK: prompts[PROMPT_MASK].repeat_interleave(n, 0),
+                  RESPONSES: rows[RESPONSES], RESPONSE_MASK: rows[RESPONSE_MASK]})
+
+
+def test_shared_prompts_give_the_same_logprobs_and_gradients(model, rollout_batch):
+    batch = _grouped(rollout_batch, groups=3, n=4, seed=7)
+    starts, sizes = prompt_runs(batch[PROMPT_IDS], batch[PROMPT_MASK])
+    assert starts.tolist() == [0, 4, 8] and sizes.tolist() == [4, 4, 4]
+    assert prompt_runs(*rollout_batch(6, seed=9).select_columns([PROMPT_IDS, PROMPT_MASK]).tensors.values()) is None
+    results = {}
+    for shared in (False, True):
+        model.zero_grad()
+        lp, ent = forward_response(model, batch, temperature=0.7, with_entropy=True, shared_prompts=shared)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results[shared] = (lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[True][0], _direct(model, batch, 0.7)[0], atol=2e-5, rtol=0)
+    for got, want in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert max(float(g.abs().max()) for g in results[True][2]) > 1e-2   # the gradients are not trivially 0
 
 
 def test_position_ids_count_real_tokens_only():

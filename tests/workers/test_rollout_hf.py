@@ -50,6 +50,17 @@ def test_seeded_sampling_is_reproducible_and_groups_are_contiguous(tiny_model_pa
     assert a[WEIGHT_VERSION].tolist() == [0] * 6 and a[WEIGHT_VERSION].dtype == torch.int64
 
 
+def test_shared_prefill_samples_what_per_row_prefill_samples(tiny_model_path, prompts, monkeypatch):
+    """Each distinct prompt is prefilled once for its n samples; the draws are unchanged."""
+    import raygraph.workers.rollout_hf as rollout_module
+
+    shared = _worker(tiny_model_path, seed=5, n=4, micro_batch_size=12).generate(prompts)
+    monkeypatch.setattr(rollout_module, "prompt_runs", lambda ids, mask: None)
+    per_row = _worker(tiny_model_path, seed=5, n=4, micro_batch_size=12).generate(prompts)
+    assert torch.equal(shared[RESPONSES], per_row[RESPONSES])
+    torch.testing.assert_close(shared[ROLLOUT_LOGPROBS], per_row[ROLLOUT_LOGPROBS], atol=1e-5, rtol=0)
+
+
 def test_greedy_equals_argmax_decoding_by_hand(tiny_model_path, prompts):
     steps = 4
     out = _worker(tiny_model_path, max_new_tokens=steps).generate(prompts, greedy=True)
