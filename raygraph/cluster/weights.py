@@ -117,7 +117,7 @@ def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None =
                 parts[-1] = (parts[-1][0], off + _aligned(raw.numel()), False)
             else:
                 parts.append((off, off + _aligned(raw.numel()), False))
-        if checksum:   # of the source, right after the copy read it (cache-warm); = bucket_checksum
+        if checksum:   # of the source (cache-warm when just copied); = bucket_checksum
             digest = _digest(raw, digest)
     meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets, "parts": parts,
             "checksum": digest if checksum else None}
@@ -255,12 +255,13 @@ class CollectiveTransport:
     """Bucketed broadcast over a `ray.util.collective` group; rank `src` sends, the rest receive.
 
     Pipelined: a communication thread broadcasts bucket i while the calling thread packs the
-    small tensors of bucket i + 1 and checksums it (sender) or checks and loads bucket i - 1 (receiver); gloo/NCCL
-    waits and xxhash release the GIL. Each side keeps two payload buffers (one on the wire, one
-    being packed or loaded), sized to the largest bucket seen and reused by every bucket of
-    every sync, so a steady-state sync touches no fresh pages. A receiver's buckets are views
-    into those buffers: `load` must copy a bucket before it asks for the next one (the receive
-    after next overwrites it).
+    small tensors of bucket i + 1 and checksums it (sender) or checks and loads bucket i - 1
+    (receiver); gloo/NCCL waits and xxhash release the GIL. Large tensors go on the wire from
+    their own storage. Each side keeps two payload buffers (one on the wire, one being packed
+    or loaded), sized to the largest bucket seen and reused by every bucket of every sync, so a
+    steady-state sync touches no fresh pages. A receiver's buckets are views into those
+    buffers: `load` must copy a bucket before it asks for the next one (the receive after next
+    overwrites it).
 
     Args:
         group_name: a joined `raygraph.cluster.collective.StandaloneGroup` (via ray.util.collective).
