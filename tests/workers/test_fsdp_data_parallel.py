@@ -11,7 +11,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raygraph.batch import ADVANTAGES, OLD_LOGPROBS, RESPONSE_MASK, RETURNS, VALUES, Batch
+from raygraph.batch import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_MASK,
+    RETURNS,
+    VALUES,
+    Batch,
+)
 from raygraph.workers.critic import CriticWorker
 from raygraph.workers.distributed import find_free_port, init_process_group_from_env
 from raygraph.workers.policy import PolicyWorker
@@ -26,7 +35,10 @@ CRITIC_KW = {"lr": 1e-4, "micro_batch_size": 2}
 
 
 def _training_batch(rollout_batch) -> Batch:
-    batch = rollout_batch(8, seed=11)
+    # two samples per prompt, as GRPO lays them out: the passes share each prompt's KV cache
+    prompts = rollout_batch(4, seed=12)
+    batch = rollout_batch(8, seed=11).with_columns(**{
+        name: prompts[name].repeat_interleave(2, 0) for name in (PROMPT_IDS, PROMPT_MASK)})
     gen = torch.Generator().manual_seed(1)
     shape = batch[RESPONSE_MASK].shape
     return batch.with_columns(**{ADVANTAGES: torch.randn(shape, generator=gen),
