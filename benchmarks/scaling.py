@@ -12,10 +12,9 @@ sync: for each random-init model size, the verified weight sync of `raygraph.clu
   broadcast over the sync's own group and the sync with and without checksums (CPU seconds of
   both processes too). Also, without Ray, the single operations a disaggregated sync is made of,
   timed on the same model in this process (1 thread): `weight_buckets` (no copy when unsharded),
-  `pack_bucket` into a reused buffer (copy alone, copy + XXH3 digest, and as the transport packs:
-  tensors >= 1 MiB left to be sent from their own storage, + digest) and into a fresh one (the
-  old path), the digest alone, the receiver's `unpack_bucket` + digest, and `load_weights` (copy
-  into the rollout model).
+  `pack_bucket` into a reused buffer (copy alone, copy + XXH3-64 digest) and into a fresh one
+  (the old path), the digest alone, the receiver's `unpack_bucket` + digest, and `load_weights`
+  (copy into the rollout model).
 batch: `benchmarks/step_time.py` on configs/demo.yaml with data.prompts_per_step = each value
   (rollout.n = 8, so 8x the samples; the demo's 64-sample mini-batch is kept, so the work per
   sample is constant), `--rounds` times in alternating order; reports the median over runs of
@@ -58,7 +57,7 @@ def sync_components(model_path: str, repeats: int, bucket_bytes: int) -> dict:
     """Seconds of each single operation of a disaggregated sync, in this process (1 thread)."""
     import torch
 
-    from raygraph.cluster.weights import _DIRECT, bucket_checksum, pack_bucket, unpack_bucket
+    from raygraph.cluster.weights import bucket_checksum, pack_bucket, unpack_bucket
     from raygraph.workers.policy import PolicyWorker
     from raygraph.workers.rollout_hf import HFRolloutWorker
 
@@ -75,8 +74,6 @@ def sync_components(model_path: str, repeats: int, bucket_bytes: int) -> dict:
                                            repeats),
         "pack_reused_copy_and_digest_s": _median_time(lambda: [pack_bucket(b, cpu, buf) for b in buckets],
                                                       repeats),
-        "pack_transport_direct_and_digest_s": _median_time(
-            lambda: [pack_bucket(b, cpu, buf, direct_bytes=_DIRECT) for b in buckets], repeats),
         "digest_one_side_s": _median_time(lambda: [bucket_checksum(t for _, t in b) for b in buckets], repeats),
         "receiver_unpack_and_digest_s": _median_time(
             lambda: [bucket_checksum(t for _, t in unpack_bucket(m, p)) for m, p in packed], repeats),
@@ -84,7 +81,7 @@ def sync_components(model_path: str, repeats: int, bucket_bytes: int) -> dict:
             lambda: rollout.load_weights((unpack_bucket(m, p) for m, p in packed), 1), repeats),
     }
     # the serial work of one verified sync (the transport overlaps sender and receiver parts)
-    out["sum_s"] = sum(out[k] for k in ("weight_buckets_s", "pack_transport_direct_and_digest_s",
+    out["sum_s"] = sum(out[k] for k in ("weight_buckets_s", "pack_reused_copy_and_digest_s",
                                         "receiver_unpack_and_digest_s", "load_weights_copy_s"))
     out["pack_fresh_copy_and_digest_s"] = _median_time(lambda: [pack_bucket(b, cpu) for b in buckets], repeats)
     return {k: round(v, 4) for k, v in out.items()}

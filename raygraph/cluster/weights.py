@@ -6,14 +6,12 @@ Two transports behind one small interface (`WeightTransport`):
   worker in the same process; no copy over the network.
 * `CollectiveTransport` (disaggregated): a bucketed broadcast from the policy's rank 0 to every
   rollout rank over a `ray.util.collective` group. Per bucket: a fixed-size header (meta length,
-  payload length, then the pickled meta: names, shapes, dtypes, offsets, parts, checksum,
-  version; a meta too long for it continues in a second broadcast) and the flat payload, in
-  parts: each run of small tensors is packed and sent as one part, each tensor of at least
-  `_DIRECT` bytes is sent from its own storage (no copy on the sender); the receiver gets every
-  part into one flat payload. An end marker (a header of zeros) closes a transfer. Each side
-  reuses two payload buffers for every bucket of every sync (a fresh 64 MiB buffer costs more
-  in page faults than the copy into it) and overlaps the broadcast of one bucket with packing,
-  checksumming or loading the next.
+  payload length, then the pickled meta: names, shapes, dtypes, offsets, checksum, version; a
+  meta too long for it continues in a second broadcast) and one flat payload. An end marker
+  (a header of zeros) closes a transfer. Each side reuses two payload
+  buffers for every bucket of every sync (a fresh 64 MiB buffer costs more in page faults than
+  the copy into it) and overlaps the broadcast of one bucket with packing, checksumming or
+  loading the next.
 
 Receivers recompute each bucket's checksum (`bucket_checksum`: XXH3-64 of the tensors' bytes on
 CPU, integer sums on GPU) and compare it with the one the sender computed before the bytes left;
@@ -44,7 +42,6 @@ Bucket = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[Iterable[Bucket], int], Any]   # rollout_worker.load_weights(buckets, version)
 _ALIGN = 16
 _HEADER = 16 << 10   # bytes: two int64 lengths + the pickled meta of a typical bucket
-_DIRECT = 1 << 20    # bytes: the sender broadcasts tensors this large from their own storage
 
 
 def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
@@ -57,7 +54,7 @@ def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:
     """
     digest = 0
     for t in tensors:
-        digest = _digest(_raw(t), digest)
+        digest = _digest(t.detach().contiguous().reshape(-1).view(torch.uint8), digest)
     return digest
 
 
@@ -78,7 +75,7 @@ def _device_digest(raw: torch.Tensor, seed: int) -> int:
 
 
 def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None = None, *,
-                checksum: bool = True, direct_bytes: int | None = None) -> tuple[dict, torch.Tensor]:
+                checksum: bool = True) -> tuple[dict, torch.Tensor]:
     """Copy a bucket into one flat uint8 payload; meta says how to cut it back into tensors.
 
     Args:
@@ -88,12 +85,6 @@ def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None =
             view of its first bytes); otherwise a new one is allocated.
         checksum: compute `meta["checksum"]` (`bucket_checksum` of the tensors); else None
             (the receivers then load without verifying).
-        direct_bytes: tensors of at least this many bytes are not copied: their range of the
-            payload is left as it is and the sender broadcasts them from their own storage
-            (`_wire`). None: copy every tensor.
-
-    `meta["parts"]`: the (start, end, direct) payload ranges broadcast one after another; runs of
-    packed tensors form one part, a direct tensor one part of its own.
     """
     names, shapes, dtypes, offsets, end = [], [], [], [], 0
     for name, t in bucket:
@@ -104,36 +95,16 @@ def pack_bucket(bucket: Bucket, device: torch.device, out: torch.Tensor | None =
         end += _aligned(t.numel() * t.element_size())
     fits = out is not None and out.numel() >= end
     payload = out[:end] if fits else torch.empty(end, dtype=torch.uint8, device=device)
-    digest, parts = 0, []
+    digest = 0
     for (_, t), off in zip(bucket, offsets):
-        raw = _raw(t)
-        direct = direct_bytes is not None and raw.numel() >= direct_bytes
-        if direct:
-            parts.append((off, off + raw.numel(), True))
-        else:
-            payload[off:off + raw.numel()].copy_(raw)
-            payload[off + raw.numel():off + _aligned(raw.numel())].zero_()   # deterministic padding
-            if parts and not parts[-1][2]:
-                parts[-1] = (parts[-1][0], off + _aligned(raw.numel()), False)
-            else:
-                parts.append((off, off + _aligned(raw.numel()), False))
-        if checksum:   # of the source (cache-warm when just copied); = bucket_checksum
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        payload[off:off + raw.numel()].copy_(raw)
+        payload[off + raw.numel():off + _aligned(raw.numel())].zero_()   # deterministic padding
+        if checksum:   # of the source, right after the copy read it (cache-warm); = bucket_checksum
             digest = _digest(raw, digest)
-    meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets, "parts": parts,
+    meta = {"names": names, "shapes": shapes, "dtypes": dtypes, "offsets": offsets,
             "checksum": digest if checksum else None}
     return meta, payload
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 tensor (a view when it is contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _wire(bucket: Bucket, meta: dict, payload: torch.Tensor) -> list[torch.Tensor]:
-    """What the sender broadcasts for each of `meta["parts"]`: a payload range, or a direct
-    tensor's own bytes (the receiver gets both into the same ranges of its payload)."""
-    by_offset = {off: t for (_, t), off in zip(bucket, meta["offsets"])}
-    return [_raw(by_offset[start]) if direct else payload[start:end] for start, end, direct in meta["parts"]]
 
 
 def unpack_bucket(meta: dict, payload: torch.Tensor) -> Bucket:
@@ -254,14 +225,13 @@ def combine_stats(sender: dict, receivers: list[dict]) -> dict:
 class CollectiveTransport:
     """Bucketed broadcast over a `ray.util.collective` group; rank `src` sends, the rest receive.
 
-    Pipelined: a communication thread broadcasts bucket i while the calling thread packs the
-    small tensors of bucket i + 1 and checksums it (sender) or checks and loads bucket i - 1
-    (receiver); gloo/NCCL waits and xxhash release the GIL. Large tensors go on the wire from
-    their own storage. Each side keeps two payload buffers (one on the wire, one being packed
-    or loaded), sized to the largest bucket seen and reused by every bucket of every sync, so a
-    steady-state sync touches no fresh pages. A receiver's buckets are views into those
-    buffers: `load` must copy a bucket before it asks for the next one (the receive after next
-    overwrites it).
+    Pipelined: a communication thread broadcasts bucket i while the calling thread packs and
+    checksums bucket i + 1 (sender) or checks and loads bucket i - 1 (receiver); gloo/NCCL
+    waits and xxhash release the GIL. Each side keeps two payload buffers (one on the wire, one
+    being packed or loaded), sized to the largest bucket seen and reused by every bucket of
+    every sync, so a steady-state sync touches no fresh pages. A receiver's buckets are views
+    into those buffers: `load` must copy a bucket before it asks for the next one (the receive
+    after next overwrites it).
 
     Args:
         group_name: a joined `raygraph.cluster.collective.StandaloneGroup` (via ray.util.collective).
@@ -290,8 +260,8 @@ class CollectiveTransport:
 
         col.broadcast(tensor, src_rank=self.src, group_name=self.group_name)
 
-    def _send_all(self, parts: list[torch.Tensor]) -> None:
-        for part in parts:   # communication thread
+    def _send_one(self, header: list[torch.Tensor], payload: torch.Tensor) -> None:
+        for part in header + [payload]:   # communication thread: as few broadcasts as possible
             self._bcast(part)
 
     def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
@@ -304,14 +274,12 @@ class CollectiveTransport:
                 if on_wire[slot] is not None:
                     on_wire[slot].result()             # bucket index - 2 has left this buffer
                 nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in bucket)
-                direct = None if index == corrupt_bucket else _DIRECT   # never corrupt a live tensor
                 meta, payload = pack_bucket(bucket, self._device, self._buffer(slot, nbytes),
-                                            checksum=self.verify, direct_bytes=direct)
+                                            checksum=self.verify)
                 meta.update(version=version, index=index)
                 if index == corrupt_bucket:
                     payload[0] ^= 0xFF
-                parts = _header(meta, payload, self._device) + _wire(bucket, meta, payload)
-                on_wire[slot] = self._comm.submit(self._send_all, parts)
+                on_wire[slot] = self._comm.submit(self._send_one, _header(meta, payload, self._device), payload)
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += 1
             end = torch.zeros(_HEADER, dtype=torch.uint8, device=self._device)
@@ -334,10 +302,9 @@ class CollectiveTransport:
             rest = torch.empty(meta_len - (_HEADER - 16), dtype=torch.uint8, device=self._device)
             self._bcast(rest)
             raw += rest.cpu().numpy().tobytes()
-        meta, payload = pickle.loads(raw), self._buffer(slot, payload_len)
-        for start, end, _ in meta["parts"]:
-            self._bcast(payload[start:end])
-        return meta, payload
+        payload = self._buffer(slot, payload_len)
+        self._bcast(payload)
+        return pickle.loads(raw), payload
 
     def _buckets(self) -> Iterator[tuple[dict, torch.Tensor]]:
         """(meta, payload) per bucket, receiving one bucket ahead into the other buffer.
