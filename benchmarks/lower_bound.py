@@ -94,20 +94,13 @@ class LowerBound:
 
     def _warm_start(self) -> None:
         """`raygraph.warm_start.run_warm_start` without Ray: same rows, same order, one weight copy."""
-        from raygraph.data import ResumableSampler, load_offline_dataset
-        from raygraph.models.loading import load_tokenizer
+        from raygraph.warm_start import warm_start_batches
 
-        cfg, ws = self.cfg, self.cfg.trainer.warm_start
+        ws = self.cfg.trainer.warm_start
         if ws is None:
             return
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-        dataset = load_offline_dataset("sft", ws.files or cfg.data.train_files, tokenizer,
-                                       max_prompt_length=cfg.data.max_prompt_length,
-                                       max_response_length=cfg.rollout.max_new_tokens,
-                                       apply_chat_template=cfg.data.apply_chat_template)
-        sampler = ResumableSampler(len(dataset), ws.batch_size, seed=cfg.trainer.seed)
-        for _ in range(ws.steps):
-            self.w["policy"].sft_update(dataset.to_batch(sampler.next_indices()), lr=ws.lr)
+        for batch in warm_start_batches(self.cfg):
+            self.w["policy"].sft_update(batch, lr=ws.lr)
         self.w["rollout"].load_weights(self.w["policy"].weight_buckets(self.bucket_bytes), 1)
 
     def step(self, step: int) -> dict:

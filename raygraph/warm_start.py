@@ -9,10 +9,11 @@ data files) and hands each policy rank its shard.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 from raygraph.batch import Batch
 
-__all__ = ["run_warm_start"]
+__all__ = ["run_warm_start", "warm_start_batches"]
 
 log = logging.getLogger("raygraph")
 
@@ -22,6 +23,19 @@ def run_warm_start(cfg, roles) -> dict[str, float]:
 
     Returns the last step's metrics (`actor/sft_loss`, ...) prefixed `warm_start/`.
     """
+    ws = cfg.trainer.warm_start
+    metrics: dict[str, float] = {}
+    for step, batch in enumerate(warm_start_batches(cfg), start=1):
+        metrics = roles.policy.call_sharded("sft_update", batch, lr=ws.lr)[0]
+        if step == 1 or step == ws.steps or step % 25 == 0:
+            print(f"[raygraph] warm start {step}/{ws.steps} sft_loss={metrics['actor/sft_loss']:.4f}",
+                  flush=True)
+    roles.sync_weights_now()
+    return {f"warm_start/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
+
+
+def warm_start_batches(cfg) -> Iterator[Batch]:
+    """The `trainer.warm_start.steps` SFT batches, in order (seeded by `trainer.seed`)."""
     from raygraph.data import ResumableSampler, load_offline_dataset
     from raygraph.models.loading import load_tokenizer
 
@@ -32,12 +46,5 @@ def run_warm_start(cfg, roles) -> dict[str, float]:
                                    max_response_length=cfg.rollout.max_new_tokens,
                                    apply_chat_template=cfg.data.apply_chat_template)
     sampler = ResumableSampler(len(dataset), ws.batch_size, seed=cfg.trainer.seed)
-    metrics: dict[str, float] = {}
-    for step in range(1, ws.steps + 1):
-        batch: Batch = dataset.to_batch(sampler.next_indices())
-        metrics = roles.policy.call_sharded("sft_update", batch, lr=ws.lr)[0]
-        if step == 1 or step == ws.steps or step % 25 == 0:
-            print(f"[raygraph] warm start {step}/{ws.steps} sft_loss={metrics['actor/sft_loss']:.4f}",
-                  flush=True)
-    roles.sync_weights_now()
-    return {f"warm_start/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
+    for _ in range(ws.steps):
+        yield dataset.to_batch(sampler.next_indices())
