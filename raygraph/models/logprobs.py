@@ -124,7 +124,9 @@ def forward_response(
                             position_ids=position_ids[valid][None])[0]  # (K, V)
         labels = responses[target]  # (K,)
     else:
-        groups = prompt_runs(prompt_ids, prompt_mask) if shared_prompts and _can_share(model) else None
+        groups = None
+        if shared_prompts and _can_share(model):
+            groups = prompt_runs(prompt_ids, prompt_mask, always=_data_parallel())
         if groups is not None:
             logits = _shared_prompt_logits(model, prompt_ids, responses, attention_mask, position_ids, *groups)
         else:
@@ -148,16 +150,28 @@ def _can_share(model: nn.Module) -> bool:
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    return not checkpointing and _accepts_logits_to_keep(model)
+    params = inspect.signature(model.forward).parameters
+    return not checkpointing and "logits_to_keep" in params and "cache" in params
 
 
-def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """`(first row, size)` of each run of identical consecutive prompts, or None when sharing
-    would save little (fewer than 2 rows per distinct prompt on average)."""
+def _data_parallel() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor, *, always: bool = False) -> tuple[Tensor, Tensor] | None:
+    """`(first row, size)` of each run of identical consecutive prompts.
+
+    None when sharing would save little (fewer than 2 rows per distinct prompt on average),
+    unless `always`: data-parallel ranks must make the same model calls whatever their data
+    (FSDP gathers parameters in every call), so under torch.distributed every rank takes the
+    shared path, which is exact for runs of one row too.
+    """
     rows = prompt_ids.shape[0]
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
     starts = torch.cat([torch.ones(1, dtype=torch.bool, device=same.device), ~same]).nonzero().squeeze(-1)
-    if starts.numel() * 2 > rows:
+    if starts.numel() * 2 > rows and not always:
         return None
     sizes = torch.diff(torch.cat([starts, torch.tensor([rows], device=starts.device)]))
     return starts, sizes
@@ -177,11 +191,9 @@ def prefill(model: nn.Module, prompt_ids: Tensor, attention_mask: Tensor, positi
     starts, sizes = runs
     out = model(input_ids=prompt_ids[starts], attention_mask=attention_mask[starts],
                 position_ids=position_ids[starts], use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    for layer in cache.layers:
-        layer.keys = layer.keys.repeat_interleave(sizes, dim=0)
-        layer.values = layer.values.repeat_interleave(sizes, dim=0)
-    return out.logits[:, -1].repeat_interleave(sizes, dim=0), cache
+    rows = torch.arange(len(starts), device=starts.device).repeat_interleave(sizes)
+    out.cache.reorder_cache(rows)   # every layer type; index_select keeps the gradients
+    return out.logits[:, -1][rows], out.cache
 
 
 def _shared_prompt_logits(model: nn.Module, prompt_ids: Tensor, responses: Tensor, attention_mask: Tensor,

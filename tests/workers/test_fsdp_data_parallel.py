@@ -1,6 +1,6 @@
-"""Data parallelism: 2 FSDP2 ranks (gloo, spawned processes), each with half the batch, end
-with the same weights as 1 rank with the whole batch, to fp32 tolerance. The critic gets an
-uneven split (5 + 3 rows), so rank 1 runs a zero-weight dummy micro-batch in lockstep."""
+"""Data parallelism: 2 FSDP2 ranks (gloo, spawned processes), each with part of the batch, end
+with the same weights as 1 rank with the whole batch, to fp32 tolerance. The split is uneven
+(5 + 3 rows), so rank 1 runs a zero-weight dummy micro-batch in lockstep."""
 
 from __future__ import annotations
 
@@ -87,16 +87,17 @@ def _rank_main(rank: int, port: int, model_path: str, batch: Batch, out_dir: str
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init_process_group_from_env("gloo")
     try:
-        critic_shard = batch.select(slice(0, 5) if rank == 0 else slice(5, 8))
-        shard = batch.chunk(WORLD)[rank]
-        result = _run(model_path, shard, critic_shard, Path(out_dir) / "hf")
+        # uneven (5 + 3 rows): rank 1 runs a dummy micro-batch, and its micro-batches cut prompt
+        # groups differently from rank 0's; both must still make the same model calls
+        shard = batch.select(slice(0, 5) if rank == 0 else slice(5, 8))
+        result = _run(model_path, shard, shard, Path(out_dir) / "hf")
         result["checkpoint_exact"] = _sharded_checkpoint_round_trip(model_path, shard, Path(out_dir) / "ckpt")
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_fsdp_ranks_with_half_batches_equal_one_rank(tiny_model_path, rollout_batch, tmp_path):
+def test_two_fsdp_ranks_with_uneven_shards_equal_one_rank(tiny_model_path, rollout_batch, tmp_path):
     batch = _training_batch(rollout_batch)
     mp.start_processes(_rank_main, args=(find_free_port(), tiny_model_path, batch, str(tmp_path)), nprocs=WORLD,
                        start_method="spawn")
