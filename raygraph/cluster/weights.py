@@ -247,6 +247,7 @@ class CollectiveTransport:
         self._device = self._group.device
         self._bufs = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weights-{group_name}")
+        self._send_failed: BaseException | None = None   # a failed broadcast leaves the group unusable
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of payload buffer `slot` (0 or 1), grown when a bucket needs more."""
@@ -260,9 +261,17 @@ class CollectiveTransport:
 
         col.broadcast(tensor, src_rank=self.src, group_name=self.group_name)
 
-    def _send_one(self, header: list[torch.Tensor], payload: torch.Tensor) -> None:
-        for part in header + [payload]:   # communication thread: as few broadcasts as possible
-            self._bcast(part)
+    def _send_one(self, parts: list[torch.Tensor]) -> None:
+        # Communication thread, in submission order: after one failure, nothing more goes out.
+        if self._send_failed is not None:
+            raise WeightSyncError(f"weight sync over {self.group_name!r}: an earlier broadcast failed "
+                                  f"({self._send_failed!r}); the group is out of step")
+        try:
+            for part in parts:   # as few broadcasts as possible
+                self._bcast(part)
+        except BaseException as exc:
+            self._send_failed = exc
+            raise
 
     def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
         start, total, count = time.perf_counter(), 0, 0
@@ -279,11 +288,14 @@ class CollectiveTransport:
                 meta.update(version=version, index=index)
                 if index == corrupt_bucket:
                     payload[0] ^= 0xFF
-                on_wire[slot] = self._comm.submit(self._send_one, _header(meta, payload, self._device), payload)
+                on_wire[slot] = self._comm.submit(self._send_one, [*_header(meta, payload, self._device), payload])
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += 1
+            for sent in on_wire:   # a failed bucket raises here, before the end marker goes out
+                if sent is not None:
+                    sent.result()
             end = torch.zeros(_HEADER, dtype=torch.uint8, device=self._device)
-            self._comm.submit(self._bcast, end).result()
+            self._comm.submit(self._send_one, [end]).result()
         finally:
             wait([f for f in on_wire if f is not None])   # never leave a broadcast reading a buffer
         return {"weights/bytes": float(total), "weights/buckets": float(count),

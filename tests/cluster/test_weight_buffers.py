@@ -136,3 +136,36 @@ def test_multi_tensor_buckets_and_corruption_spares_the_senders_tensors(ray_loca
                                               peers[1].receive.remote(strict=False)])
     assert stats["weights/verified"] == 0.0 and "bucket 0" in stats["weights/errors"][0]
     assert sent["sources_intact"] and set(got) == {"t1.0", "t2"}
+
+
+def test_a_failed_broadcast_stops_the_send_and_is_raised():
+    """Bucket 1's broadcast fails on the communication thread: send raises it, nothing after it
+    (bucket 2, the end marker) goes out, and later sends refuse at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raygraph.cluster.errors import WeightSyncError
+    from raygraph.cluster.weights import CollectiveTransport
+
+    class _Group:
+        def arrive(self, what: str) -> None:
+            pass
+
+    sent: list[int] = []
+
+    def bcast(tensor: torch.Tensor) -> None:
+        if len(sent) == 2:   # bucket 0 = header + payload; the next broadcast is bucket 1's header
+            raise RuntimeError("gloo: connection reset")
+        sent.append(tensor.numel())
+
+    transport = CollectiveTransport.__new__(CollectiveTransport)
+    transport.group_name, transport.src, transport.verify = "g", 0, True
+    transport._group, transport._device = _Group(), torch.device("cpu")
+    transport._bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+    transport._comm, transport._send_failed = ThreadPoolExecutor(max_workers=1), None
+    transport._bcast = bcast
+    with pytest.raises(RuntimeError, match="connection reset"):
+        transport.send([_bucket(8, 1, i) for i in range(3)], 1)
+    assert len(sent) == 2                      # no bucket 2, no end marker
+    with pytest.raises(WeightSyncError, match="earlier broadcast failed"):
+        transport.send([_bucket(8, 2, 0)], 2)
+    assert len(sent) == 2
