@@ -102,9 +102,7 @@ class RoleHost:
         else:
             with self._guard(step.role, step.method or step.op), self.timings.stage(step.label):
                 out = self._run_step(step, values)
-        if not step.status:
-            return out
-        return (*out, S.OK) if step.n_out > 1 else (out, S.OK)
+        return S.with_status(step, out)
 
     def _run_step(self, step: S.Step, values: tuple) -> Any:
         if step.op in S.WHOLE_OPS:
@@ -112,18 +110,21 @@ class RoleHost:
         args, kwargs = S.resolve(step, values)
         if step.op == "call":
             return getattr(self.workers[step.role], step.method)(*args, **kwargs)
-        weight_ops = {"weights_local": self.weights_local, "weights_send": self.weights_send,
-                      "weights_recv": self.weights_recv, "weights_drain": self.weights_drain}
-        if step.op not in weight_ops:
+        if step.op not in S.WEIGHT_OPS:
             raise ValueError(f"RoleHost cannot run step op {step.op!r}")
-        return weight_ops[step.op](**step.extra)
+        return getattr(self, step.op)(**step.extra)
 
     def _run_plan(self, step: S.Step, x: Any) -> Any:
         """Every step of a plan in this process, values passed in memory (`Executor` fuses
         plans whose role steps all run on one actor into one such step)."""
         values: dict[tuple, Any] = {S.INPUT: x}
+        host = next(iter(self.sites.values()))
+        coordinator = CallSite("coordinator", 0, host.actor_name, host.node_id, host.node_ip)
         for sub, inputs, outputs in step.extra["ops"]:
-            with self._guard(sub.role, sub.method or sub.op), self.timings.stage(sub.label):
+            # a whole-batch step failing here is the coordinator's work, done in this actor
+            guard = (_Guard(coordinator, sub.label) if sub.op in S.WHOLE_OPS
+                     else self._guard(sub.role, sub.method or sub.op))
+            with guard, self.timings.stage(sub.label):
                 result = self._run_step(sub, tuple(values[v] for v in inputs))
             values.update(zip(outputs, result if sub.n_out > 1 else (result,)))
         outs = tuple(values[v] for v in step.extra["outputs"])
@@ -227,9 +228,7 @@ class Coordinator:
             if step.op not in S.WHOLE_OPS:
                 raise ValueError(f"Coordinator cannot run step op {step.op!r}")
             out = S.run_whole(step, values)
-        if not step.status:
-            return out
-        return (*out, S.OK) if step.n_out > 1 else (out, S.OK)
+        return S.with_status(step, out)
 
 
 class _StageTimings:

@@ -18,12 +18,13 @@ from typing import Any
 
 from raygraph.batch import Batch
 
-__all__ = ["Arg", "Step", "resolve", "scatter", "merge_shards", "gather", "run_whole", "combine_sync",
+__all__ = ["Arg", "Step", "resolve", "scatter", "merge_shards", "gather", "run_whole", "combine_sync", "with_status",
            "OK", "INPUT", "WHOLE_OPS"]
 
 OK = True   # the status value interpreted execution returns next to every step's result
 INPUT = ("input", 0)   # the value id of a plan's input (other ids: (step index, result index))
 WHOLE_OPS = ("scatter", "gather", "apply", "weights_combine")   # whole-batch plumbing, not role calls
+WEIGHT_OPS = ("weights_local", "weights_send", "weights_recv", "weights_drain")   # RoleHost methods
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ def resolve(step: Step, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any
         return a.const if a.index is None else values[a.index]
 
     return [one(a) for a in step.args], {k: one(a) for k, a in step.kwargs.items()}
+
+
+def with_status(step: Step, out: Any) -> Any:
+    """What an actor returns for `step`: `out`, plus `OK` as a last result when `step.status`."""
+    if not step.status:
+        return out
+    return (*out, OK) if step.n_out > 1 else (out, OK)
 
 
 def run_whole(step: Step, values: Sequence[Any]) -> Any:

@@ -158,3 +158,8 @@ def digest(batch: Batch) -> dict:
     return {"rows": len(batch), "columns": sorted(batch.columns()),
             "responses": batch[RESPONSES].tolist(), "uids": [str(u) for u in batch[UID]],
             "versions": batch[WEIGHT_VERSION].tolist()}
+
+
+def explode(batch: Batch) -> Batch:
+    """A whole-batch step that fails (errors must name the coordinator's work, not a role)."""
+    raise KeyError("no such column: 'advantages'")

@@ -265,6 +265,12 @@ def test_single_actor_plan_compiled_and_errors_name_the_role(single_actor, dummi
     with pytest.raises(RoleError, match="fused-boom") as info:
         Executor(failing).run(dummies.prompts(1))
     assert (info.value.role, info.value.rank, info.value.method) == ("policy", 0, "fail")
+    with InputNode() as prompts:
+        bad_apply = MultiOutputNode([roles.apply(dummies.explode, roles.gather(roles.rollout.bind("generate", prompts)))])
+    with pytest.raises(RoleError, match="no such column") as info:
+        Executor(bad_apply).run(dummies.prompts(1))
+    assert (info.value.role, info.value.method) == ("coordinator", "apply:explode")
+    assert info.value.actor_name == "test-runtime/fused/policy+rollout+reward/0"
 
 
 def test_compiled_step_longer_than_rays_get_timeout(layouts, dummies):
