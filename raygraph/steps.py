@@ -70,8 +70,11 @@ def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: f
     rewards = batch[TOKEN_LEVEL_SCORES].float()
     kl_coef = float(prompts.meta.get("kl_coef", 0.0))
     kl_mean = 0.0
-    if REF_LOGPROBS in batch and OLD_LOGPROBS in batch:
-        kl_tokens = kl.estimate(batch[OLD_LOGPROBS], batch[REF_LOGPROBS], kl_kind) * mask
+    # without old_logprobs (the update computes its own) the rollout's stand in for the metric;
+    # a KL penalty in the reward always comes with old_logprobs (RaygraphConfig.old_logprobs_source)
+    old = batch[OLD_LOGPROBS] if OLD_LOGPROBS in batch else batch.tensors.get(ROLLOUT_LOGPROBS)
+    if REF_LOGPROBS in batch and old is not None:
+        kl_tokens = kl.estimate(old, batch[REF_LOGPROBS], kl_kind) * mask
         kl_mean = _masked_mean(kl_tokens, mask)
         if kl_coef > 0:
             rewards = rewards - kl_coef * kl_tokens

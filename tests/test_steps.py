@@ -10,6 +10,7 @@ from raygraph.batch import (
     OLD_LOGPROBS,
     REF_LOGPROBS,
     RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
     UID,
@@ -62,6 +63,21 @@ def test_kl_in_reward_penalty_uses_the_driver_coefficient():
     # k1 = old - ref per token: row 0 [0.5, 0.0], row 1 [0.0, -1.0]; reward -= 0.1 * k1
     assert torch.allclose(out[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
     assert out.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
+
+
+def test_old_logprobs_from_the_rollout_or_standing_in_for_the_kl_metric():
+    batch = _scored([1.0, 0.0], ["a", "a"], width=2)
+    batch = batch.with_columns(**{ROLLOUT_LOGPROBS: torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]),
+                                  REF_LOGPROBS: torch.tensor([[-1.5, -1.0], [-2.0, -1.0]])})
+    taken = steps.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1",
+                                     old_from_rollout=True)
+    assert torch.equal(taken[OLD_LOGPROBS], batch[ROLLOUT_LOGPROBS])
+    assert torch.allclose(taken[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
+    # no old_logprobs at all (the update computes its own): the metric uses the rollout's, no penalty
+    metric_only = steps.compute_advantages(batch, Batch(meta={}), estimator="grpo", kl_kind="k1")
+    assert OLD_LOGPROBS not in metric_only
+    assert metric_only.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
+    assert torch.equal(metric_only[TOKEN_LEVEL_REWARDS], batch[TOKEN_LEVEL_SCORES])
 
 
 def test_rollout_metrics_report_reward_and_lengths():

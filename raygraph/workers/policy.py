@@ -156,7 +156,8 @@ class PolicyWorker:
         if self._first_step_rows <= 0 or ROLLOUT_LOGPROBS not in micro:
             return
         gap = (logprobs.detach().float() - micro[ROLLOUT_LOGPROBS].to(self.device)).abs() * mask
-        self._rollout_gap = max(self._rollout_gap, float(gap.max()) if gap.numel() else 0.0)
+        if gap.numel():   # a running max on the device: read once after the update, no sync per micro-batch
+            self._rollout_gap = torch.maximum(torch.as_tensor(self._rollout_gap, device=gap.device), gap.max())
         self._first_step_rows -= len(micro)
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -197,7 +198,7 @@ class PolicyWorker:
         metrics = self._run(batch.select_columns(needed), self._ppo_loss, RESPONSE_MASK, self.ppo_epochs,
                             self.loss_agg, defaults={"kl_loss": 0.0})
         if ROLLOUT_LOGPROBS in batch:
-            gap = all_reduce(torch.tensor([self._rollout_gap], dtype=torch.float64), op="max")
+            gap = all_reduce(torch.tensor([float(self._rollout_gap)], dtype=torch.float64), op="max")
             metrics["rollout/logprob_diff_max"] = float(gap)
         return metrics
 
