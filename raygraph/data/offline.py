@@ -25,7 +25,6 @@ than `max_response_length` are dropped with one counted warning or raise, like p
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,11 +43,10 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.data.chat import check_messages, encode_text, format_prompt
-from raygraph.data.prompts import left_pad, read_rows
+from raygraph.data.prompts import check_overlong, left_pad, read_rows, report_overlong
 
 __all__ = ["SFTDataset", "DPODataset", "load_offline_dataset", "collate_pairs", "CHOSEN_MASK"]
 
-logger = logging.getLogger(__name__)
 
 CHOSEN_MASK = "chosen_mask"          # (B,) int64, DPO only: 1 on chosen rows, 0 on rejected
 
@@ -86,8 +84,7 @@ class _Tokenized:
 
     def __init__(self, source, tokenizer, max_prompt_length, max_response_length, overlong,
                  apply_chat_template, columns):
-        if overlong not in ("drop", "error"):
-            raise ValueError(f"overlong must be 'drop' or 'error', got {overlong!r}")
+        check_overlong(overlong)
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs eos and pad tokens")
         self.tokenizer = tokenizer
@@ -117,9 +114,7 @@ class _Tokenized:
             what = (f"{len(too_long)} of {len(raw)} examples have a prompt longer than "
                     f"max_prompt_length={max_prompt_length} or a response (with eos) longer than "
                     f"max_response_length={max_response_length} tokens (first: {too_long[0]})")
-            if overlong == "error":
-                raise ValueError(f"{what}; raise the limits or set overlong='drop'")
-            logger.warning("%s; dropped them (never truncated)", what)
+            report_overlong(what, overlong, "raise the limits")
         if not self.examples:
             raise ValueError(f"no examples left out of {len(raw)} rows")
 

@@ -57,6 +57,20 @@ class PromptRow:
     extra_info: dict = field(default_factory=dict)
 
 
+def check_overlong(overlong: str) -> None:
+    """Reject an `overlong` policy other than "drop" or "error"."""
+    if overlong not in _OVERLONG:
+        raise ValueError(f"overlong must be one of {_OVERLONG}, got {overlong!r}")
+
+
+def report_overlong(what: str, overlong: str, remedy: str) -> None:
+    """Rows beyond the length limits (`what` counts them): raise with `remedy` ("error") or warn
+    once that they were dropped ("drop"); rows are never truncated."""
+    if overlong == "error":
+        raise ValueError(f"{what}; {remedy} or set overlong='drop'")
+    logger.warning("%s; dropped them (never truncated)", what)
+
+
 def read_rows(files: str | Path | Sequence[str | Path]) -> list[tuple[str, int, dict]]:
     """All rows of the parquet `files` as ``(file, row_index_in_file, row_dict)``, in order."""
     paths = [files] if isinstance(files, (str, Path)) else list(files)
@@ -127,8 +141,7 @@ class PromptDataset:
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any,
                  max_prompt_length: int, overlong: str = "drop",
                  apply_chat_template: bool = True) -> None:
-        if overlong not in _OVERLONG:
-            raise ValueError(f"overlong must be one of {_OVERLONG}, got {overlong!r}")
+        check_overlong(overlong)
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         self.tokenizer = tokenizer
@@ -159,9 +172,7 @@ class PromptDataset:
             what = (f"{len(overlong_at)} of {len(raw)} prompts are longer than "
                     f"max_prompt_length={max_prompt_length} tokens (first: {path} row {i}, "
                     f"{n} tokens)")
-            if overlong == "error":
-                raise ValueError(f"{what}; raise max_prompt_length or set overlong='drop'")
-            logger.warning("%s; dropped them (never truncated)", what)
+            report_overlong(what, overlong, "raise max_prompt_length")
         if not self.rows:
             raise ValueError(f"no prompts left in {sorted({p for p, _, _ in raw})}")
 
