@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test test-fast lint clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# The inner loop: lint + the tests that need neither Ray nor more than ~20 s (well under a minute).
+test-fast: lint
+	$(PY) -m pytest -q -m "not ray and not slow" tests
 
 clean:
 	rm -rf $(VENV) runs mlruns .pytest_cache

@@ -145,7 +145,7 @@ def trl_worker(model_path: str, steps: int, warmup: int, threads: int, dtype: st
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            self.steps.append({"step_s": time.perf_counter() - self.start, **stages})
+            self.whole_batch.append({"step_s": time.perf_counter() - self.start, **stages})
 
     rows = Dataset.from_parquet(TRAIN_FILE).to_list()
     dataset = Dataset.from_list([{"prompt": r["prompt"], "reward_model": r["reward_model"],
@@ -244,7 +244,7 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     if not Path(TRAIN_FILE).is_file():
         from raygraph.config import load_config
-        from raygraph.run_setup import ensure_assets
+        from raygraph.run.setup import ensure_assets
 
         ensure_assets(load_config("configs/demo.yaml"))
     from raygraph.models.tiny import build_tiny_lm

@@ -24,7 +24,8 @@ import torch
 
 from raygraph.batch import PROMPT_IDS, RESPONSES, TOKEN_LEVEL_SCORES, UID, Batch
 from raygraph.cluster import PoolSpec, RoleSpec, build_roles
-from raygraph.dag import Executor, InputNode, MultiOutputNode
+from raygraph.graph import GraphBuilder, InputNode, MultiOutputNode
+from raygraph.graph.executor import Executor
 
 
 class NoOp:
@@ -52,16 +53,17 @@ def summary(batch: Batch) -> dict:
 
 
 def build_dag(roles):
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts)
-        batch = roles.gather(rollouts, roles.reward.bind("score", rollouts), roles.policy.bind("logprobs", rollouts))
-        batch = roles.apply(identity, batch)
-        metrics = roles.policy.bind("update", batch)
-        return MultiOutputNode([roles.gather(metrics), roles.apply(summary, batch)])
+        rollouts = g.rollout.bind("generate", prompts)
+        batch = g.gather(rollouts, g.reward.bind("score", rollouts), g.policy.bind("logprobs", rollouts))
+        batch = g.apply(identity, batch)
+        metrics = g.policy.bind("update", batch)
+        return MultiOutputNode([g.gather(metrics), g.apply(summary, batch)])
 
 
 def measure(roles, mode: str, prompts: Batch, steps: int) -> dict:
-    executor = Executor(build_dag(roles), mode=mode)
+    executor = Executor(build_dag(roles), roles, mode=mode)
     try:
         for _ in range(5):
             executor.run(prompts)

@@ -7,8 +7,8 @@ The lower bound runs one GRPO step's compute sequentially in THIS process with t
 (`raygraph.workers.*`, built with exactly the constructor arguments the trainer gives its actors),
 no Ray: prompts -> `rollout.generate` -> `reward.score` -> `policy.logprobs` (only when
 `actor.old_logprobs` resolves to recompute, as in the workflow) -> `reference.logprobs` (when
-the config uses a KL term) -> `steps.compute_advantages` ->
-`policy.update` -> `rollout.load_weights(policy.weight_buckets())` -> `steps.rollout_metrics`.
+the config uses a KL term) -> `whole_batch.compute_advantages` ->
+`policy.update` -> `rollout.load_weights(policy.weight_buckets())` -> `whole_batch.rollout_metrics`.
 Same model, data order, seeds and warm start as `raygraph train`, so both sides sample the same
 responses (`same_samples` compares their per-step reward means).
 
@@ -79,9 +79,9 @@ class LowerBound:
     """The GRPO step's compute with plain workers in this process (no Ray)."""
 
     def __init__(self, cfg, *, threads: int, old_logprobs: str | None = None):
-        from raygraph.roles_from_config import role_specs
-        from raygraph.step_io import StepData
-        from raygraph.workflow_loader import load_workflow
+        from raygraph.config.workflow_ref import load_workflow
+        from raygraph.run.feed import StepData
+        from raygraph.run.role_specs import role_specs
 
         self.cfg, self.threads = cfg, threads
         self.old_logprobs = old_logprobs or cfg.old_logprobs_source   # recompute | rollout | update
@@ -94,7 +94,7 @@ class LowerBound:
 
     def _warm_start(self) -> None:
         """`raygraph.warm_start.run_warm_start` without Ray: same rows, same order, one weight copy."""
-        from raygraph.warm_start import warm_start_batches
+        from raygraph.run.warm_start import warm_start_batches
 
         ws = self.cfg.trainer.warm_start
         if ws is None:
@@ -104,7 +104,7 @@ class LowerBound:
         self.w["rollout"].load_weights(self.w["policy"].weight_buckets(self.bucket_bytes), 1)
 
     def step(self, step: int) -> dict:
-        from raygraph import steps as S
+        from raygraph.graph import whole_batch
 
         torch.set_num_threads(self.threads)
         w, alg, seconds = self.w, self.cfg.algorithm, {}
@@ -123,13 +123,13 @@ class LowerBound:
             batch = batch.union(timed("policy.logprobs", w["policy"].logprobs, rollouts))
         if "reference" in w:
             batch = batch.union(timed("reference.logprobs", w["reference"].logprobs, rollouts))
-        batch = timed("apply_compute_advantages", S.compute_advantages, batch, prompts, estimator=alg.advantage,
+        batch = timed("apply_compute_advantages", whole_batch.compute_advantages, batch, prompts, estimator=alg.advantage,
                       gamma=alg.gamma, lam=alg.lam, eps=alg.norm_eps, kl_kind=alg.kl_in_reward.kind,
                       old_from_rollout=self.old_logprobs == "rollout")
         metrics = timed("policy.update", w["policy"].update, batch)
         timed("rollout.load_weights", w["rollout"].load_weights, w["policy"].weight_buckets(self.bucket_bytes),
               step + 1)
-        metrics.update(timed("apply_rollout_metrics", S.rollout_metrics, batch))
+        metrics.update(timed("apply_rollout_metrics", whole_batch.rollout_metrics, batch))
         step_s = time.perf_counter() - t0
         self.kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * self.cfg.rollout.n)
         return {"step_s": step_s, "reward/mean": metrics["reward/mean"], **seconds}
@@ -158,12 +158,13 @@ class RaygraphLoop:
 
     def __init__(self, cfg, *, actor_threads: int | None = None, dashboard: bool = True):
         from raygraph.cluster import build_roles
-        from raygraph.dag import Executor
-        from raygraph.roles_from_config import colocation, pools_for, role_specs
-        from raygraph.run_setup import prepare_run, start_ray
-        from raygraph.step_io import StepData
-        from raygraph.warm_start import run_warm_start
-        from raygraph.workflow_loader import load_workflow
+        from raygraph.config.workflow_ref import load_workflow
+        from raygraph.graph import GraphBuilder
+        from raygraph.graph.executor import Executor
+        from raygraph.run.feed import StepData
+        from raygraph.run.role_specs import colocation, pools_for, role_specs
+        from raygraph.run.setup import prepare_run, start_ray
+        from raygraph.run.warm_start import run_warm_start
 
         self.cfg = cfg
         ctx = prepare_run(cfg)
@@ -171,7 +172,7 @@ class RaygraphLoop:
         if not dashboard:   # investigation: the same local Ray without the dashboard processes
             import ray
 
-            from raygraph.run_setup import ACTOR_ENV
+            from raygraph.run.setup import ACTOR_ENV
 
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False,
                      runtime_env={"env_vars": dict(ACTOR_ENV)})
@@ -185,12 +186,13 @@ class RaygraphLoop:
                                  env_vars={"OMP_NUM_THREADS": str(actor_threads)} if actor_threads else None)
         if cfg.trainer.warm_start is not None:
             run_warm_start(cfg, self.roles)
-        self.executor = Executor(workflow.build(self.roles, cfg), mode=cfg.trainer.executor)
+        self.executor = Executor(workflow.build(GraphBuilder.of(self.roles), cfg), self.roles,
+                                 mode=cfg.trainer.executor)
         self.data, self.kl_ctl = StepData.load(cfg), _kl_controller(cfg)
         self.roles.take_stage_timings()
 
     def step(self, step: int) -> dict:
-        from raygraph.step_io import merge_outputs
+        from raygraph.run.feed import merge_outputs
 
         t0 = time.perf_counter()
         prompts = self.data.next_prompts(step=step, kl_coef=self.kl_ctl.value)
@@ -216,7 +218,7 @@ def _stats(rows: list[dict]) -> dict:
 def paired(cfg, *, steps: int, warmup: int, variants: list[str], threads: list[int],
            actor_threads: int | None = None, dashboard: bool = True) -> dict:
     """Raygraph and lower-bound steps interleaved one by one; per-step ratios."""
-    from raygraph.run_setup import ensure_assets
+    from raygraph.run.setup import ensure_assets
 
     ensure_assets(cfg)
     sides = {f"lower_bound_{v}_{t}thread": LowerBound(cfg, threads=t, old_logprobs="recompute" if v == "recompute" else None)

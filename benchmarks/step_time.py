@@ -24,7 +24,7 @@ def _stage_means(rows: list[dict]) -> dict[str, float]:
 
 def measure(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from raygraph.config import load_config
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     out_dir = tempfile.mkdtemp(prefix="raygraph-bench-")
     cfg = load_config(config, [*overrides, f"trainer.total_steps={steps + warmup}", "trainer.val_every=0",

@@ -153,11 +153,11 @@ def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_
     with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, mode=mode,
                      colocate=[("policy", "rollout")] if mode == "colocated" else [],
                      bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300) as roles:
-        roles.sync_weights_now()   # warm-up
+        roles.weights.sync_now()   # warm-up
         stats, walls = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            stats.append(roles.sync_weights_now())
+            stats.append(roles.weights.sync_now())
             walls.append(time.perf_counter() - start)
     sync_s = statistics.median(s["weights/sync_s"] for s in stats)
     wall_s = statistics.median(walls)

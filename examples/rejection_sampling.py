@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from raygraph import steps
 from raygraph.batch import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -24,14 +23,14 @@ from raygraph.batch import (
     RESPONSES,
     Batch,
 )
-from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.graph import InputNode, MultiOutputNode, whole_batch
 
 ROLES = ("policy", "rollout", "reward")
 
 
 def accepted_as_sft(batch: Batch) -> Batch:
     """Rollouts -> SFT rows; rejected samples keep their row but get an all-zero loss mask."""
-    accepted = (steps.sequence_scores(batch) > 0).long()  # (B,)
+    accepted = (whole_batch.sequence_scores(batch) > 0).long()  # (B,)
     response_mask = batch[RESPONSE_MASK] * accepted[:, None]  # (B, R)
     return batch.with_columns(**{
         INPUT_IDS: torch.cat([batch[PROMPT_IDS], batch[RESPONSES]], dim=1),
@@ -46,4 +45,4 @@ def build(roles, cfg):
         scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
         update = roles.policy.bind("sft_update", roles.apply(accepted_as_sft, scored))
         sync = roles.sync_weights(after=update)
-        return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, scored)])
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, scored)])

@@ -84,14 +84,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(config: str, overrides: list[str]):
-    """The validated config, or None after printing every problem to stderr."""
+    """The validated config, its workflow's graphs built and checked (no Ray), or None after
+    printing every problem to stderr."""
     from raygraph.config import ConfigError, load_config
+    from raygraph.config.workflow_ref import load_workflow
+    from raygraph.graph import GraphBuildError
+    from raygraph.run.graphs import build_graphs
 
     try:
-        return load_config(config, overrides)
+        cfg = load_config(config, overrides)
+        build_graphs(cfg, load_workflow(cfg.workflow))
+        return cfg
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return None
+    except (GraphBuildError, ValueError) as exc:
+        print(f"1 config problem in {config}:\n  - workflow {exc}", file=sys.stderr)
+    return None
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -109,8 +117,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.overrides)
     if cfg is None:
         return EXIT_BAD_CONFIG
-    from raygraph import trainer
     from raygraph.cluster import PlacementError, RoleError, WeightSyncError
+    from raygraph.run import trainer
 
     try:
         trainer.run(cfg, address=args.address or cfg.trainer.ray_address)

@@ -20,12 +20,18 @@ torch.set_num_threads(1)
 FIRST_CHAR_ID, VOCAB = 6, 93  # ids of the tiny tokenizer's ordinary characters
 
 
+_OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py")   # tests that start a Ray cluster of their own
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    """Mark every test that needs Ray `ray` (`make test-fast` leaves them out); skip `gpu` tests
+    without CUDA."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        path = item.path.as_posix()
+        if "ray_local" in item.fixturenames or any(part in path for part in _OWN_RAY):
+            item.add_marker(pytest.mark.ray)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 
@@ -77,3 +83,40 @@ def random_rollout_batch(rows: int, prompt_len: int = 7, response_len: int = 6, 
 def rollout_batch():
     """A factory of random prompt/response batches in the rollout layout."""
     return random_rollout_batch
+
+
+class _FakeActor:
+    """Stands for an actor handle in lowering tests (only its name and id are read)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._actor_id = type("Id", (), {"hex": lambda _self: name})()
+
+
+def _fake_roles(layout: dict, *, collective: tuple[str, str] | None = None):
+    """`Roles` with fake actors, for lowering a graph without Ray.
+
+    Args:
+        layout: role -> (worker class, [actor names]); roles listing the same name share an actor.
+        collective: a (src, dst) weight-sync pair to register as if its collective group existed.
+    """
+    from raygraph.cluster.errors import CallSite
+    from raygraph.cluster.roles import RoleGroup, Roles
+    from raygraph.cluster.weight_sync import WeightSync
+
+    roles = Roles("fake", "disaggregated")
+    roles.weights = WeightSync("fake", roles.groups, bucket_bytes=1 << 20, timeout_s=5)
+    roles.coordinator = _FakeActor("coordinator")
+    actors: dict[str, _FakeActor] = {}
+    for role, (cls, names) in layout.items():
+        group = [actors.setdefault(n, _FakeActor(n)) for n in names]
+        roles.groups[role] = RoleGroup(role, cls, group, [CallSite(role, r) for r in range(len(names))])
+    if collective is not None:
+        roles.weights._collectives[collective] = "fake/weights"   # as `WeightSync.connect` records it
+    return roles
+
+
+@pytest.fixture
+def fake_roles():
+    """A factory of `Roles` with fake actors (see `_fake_roles`)."""
+    return _fake_roles

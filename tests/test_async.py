@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from raygraph import steps
 from raygraph.batch import (
     ADVANTAGES,
     NEXT_PROMPTS,
@@ -29,6 +28,7 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.config import ConfigError, load_config
+from raygraph.graph import whole_batch
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "configs" / "toy" / "grpo_kl_loss.yaml"   # disaggregated: policy+reference | rollout+reward
@@ -104,7 +104,7 @@ class _Rows:
 
 def test_lookahead_attaches_next_shares_and_leaves_the_sampler_in_place():
     from raygraph.data import ResumableSampler
-    from raygraph.step_io import StepData
+    from raygraph.run.feed import StepData
 
     data = StepData(_Rows(), ResumableSampler(12, 4, seed=0), None)
     reference = StepData(_Rows(), ResumableSampler(12, 4, seed=0), None)
@@ -131,9 +131,9 @@ def _scored(staleness: list[int], old: list[list[float]], rollout_lp: list[list[
 def test_is_weights_are_exactly_one_on_fresh_rows():
     # log-probs from two engines differ in the last digits even with the same weights
     batch = _scored([0, 0], [[-1.0, -2.0, 0.0], [-0.5, -0.25, 0.0]], [[-1.00001, -1.99999, 0.0], [-0.5, -0.3, 0.0]])
-    out = steps.truncated_importance_weights(batch, cap=2.0)
+    out = whole_batch.truncated_importance_weights(batch, cap=2.0)
     assert torch.equal(out[ADVANTAGES], batch[ADVANTAGES])
-    m = steps.off_policy_metrics(out, cap=2.0)
+    m = whole_batch.off_policy_metrics(out, cap=2.0)
     assert m == {"rollout/staleness": 0.0, "rollout/staleness_max": 0.0, "rollout/is_weight_mean": 1.0,
                  "rollout/is_weight_max": 1.0, "rollout/is_clipfrac": 0.0}
 
@@ -142,57 +142,51 @@ def test_is_weights_on_stale_rows_are_truncated_ratios():
     # row 0 is stale: ratios exp(-1 - -1.5) = e^0.5 = 1.6487 and exp(-1 - -3) = e^2 = 7.39 -> cap 2.0;
     # row 1 is fresh: weight 1 whatever its log-probs; position 2 is padding.
     batch = _scored([1, 0], [[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]], [[-1.5, -3.0, 0.0], [-2.0, -2.0, 0.0]])
-    out = steps.truncated_importance_weights(batch, cap=2.0)
+    out = whole_batch.truncated_importance_weights(batch, cap=2.0)
     expected = torch.tensor([[2.0 * math.exp(0.5), 4.0, 2.0], [2.0, 2.0, 2.0]])
     assert torch.allclose(out[ADVANTAGES], expected)
-    m = steps.off_policy_metrics(out, cap=2.0)
+    m = whole_batch.off_policy_metrics(out, cap=2.0)
     assert m["rollout/staleness"] == 0.5 and m["rollout/staleness_max"] == 1.0
     assert m["rollout/is_weight_mean"] == pytest.approx((math.exp(0.5) + 2.0 + 1.0 + 1.0) / 4)
     assert m["rollout/is_weight_max"] == 2.0 and m["rollout/is_clipfrac"] == 0.25
 
 
 # --- the DAG: what each actor runs, in which order -------------------------------------------------
-class _Actor:
-    def __init__(self, name):
-        self.name = name
-        self._actor_id = type("Id", (), {"hex": lambda _self: name})()
+def _fake_disaggregated(fake_roles):
+    """Roles as the trainer builds them disaggregated: policy+reference | rollout+reward."""
+    from raygraph.run.graphs import worker_classes
+
+    cfg = load_config(TOY, ["placement.max_staleness=1", "actor.kl_loss_coef=0.1"])
+    classes = worker_classes(cfg, ("policy", "rollout", "reward"))
+    train, gen = ["policy+reference/0"], ["rollout+reward/0"]
+    return fake_roles({"policy": (classes["policy"], train), "reference": (classes["reference"], train),
+                       "rollout": (classes["rollout"], gen), "reward": (classes["reward"], gen)},
+                      collective=("policy", "rollout"))
 
 
-def _fake_roles():
-    """Roles as `raygraph.trainer` builds them disaggregated: policy+reference | rollout+reward."""
-    from raygraph.cluster.errors import CallSite
-    from raygraph.cluster.roles import RoleGroup, Roles
-
-    roles = Roles("fake", "disaggregated", bucket_bytes=1 << 20, weight_sync_timeout_s=5)
-    roles.coordinator = _Actor("coordinator")
-    train, gen = _Actor("policy+reference/0"), _Actor("rollout+reward/0")
-    for role, actor in (("policy", train), ("reference", train), ("rollout", gen), ("reward", gen)):
-        roles.groups[role] = RoleGroup(role, roles, [actor], [CallSite(role, 0)])
-    roles.weight_groups[("policy", "rollout")] = "fake/weights"
-    return roles
-
-
-def test_rollout_samples_ahead_after_scoring_and_before_receiving_weights():
+def test_rollout_samples_ahead_after_scoring_and_before_receiving_weights(fake_roles):
     """Both executors submit a plan's calls in plan order and each actor runs its calls in that
     order, so this order is what runs: the rollout actor takes this step's rollouts, scores them,
     then samples the next step while the policy trains, and only then receives the new weights
     (the weight-sync steps wait for the update AND the prefetch: no collective waits on either)."""
-    from raygraph.dag import lower
-    from workflows import grpo
+    from raygraph.graph import GraphBuilder
+    from raygraph.graph.lowering import lower
+    from raygraph.workflows import grpo
 
     cfg = load_config(TOY, ["placement.max_staleness=1"])
-    plan = lower(grpo.build(_fake_roles(), cfg))
-    on = {name: [op.step.label for op in plan.ops if op.actor.name == name]
+    roles = _fake_disaggregated(fake_roles)
+    plan = lower(grpo.build(GraphBuilder.of(roles), cfg), roles)
+    on = {name: [op.task.label for op in plan.ops if op.actor.name == name]
           for name in ("rollout+reward/0", "policy+reference/0")}
     assert on["rollout+reward/0"] == ["rollout.take_or_generate", "reward.score", "rollout.prefetch_next",
                                       "rollout.load_weights"]
     assert on["policy+reference/0"] == ["policy.logprobs", "reference.logprobs", "policy.update",
                                         "policy.weight_buckets"]
-    prefetch = next(op.id for op in plan.ops if op.step.label == "rollout.prefetch_next")
-    update = next(op.id for op in plan.ops if op.step.label == "policy.update")
-    barrier = next(op for op in plan.ops if op.step.op == "gather" and {i for i, _ in op.inputs} == {update, prefetch})
+    prefetch = next(op.id for op in plan.ops if op.task.label == "rollout.prefetch_next")
+    update = next(op.id for op in plan.ops if op.task.label == "policy.update")
+    barrier = next(op for op in plan.ops if op.task.op == "gather" and {i for i, _ in op.inputs} == {update, prefetch})
     for op in plan.ops:
-        if op.step.op in ("weights_send", "weights_recv"):
+        if op.task.op in ("weights_send", "weights_recv"):
             assert [i for i, _ in op.inputs] == [barrier.id]
 
 
@@ -202,13 +196,11 @@ def test_staleness_bound_is_checked():
 
 
 def test_workflow_without_an_async_dag_refuses_staleness(tmp_path):
-    from raygraph.trainer import run
-
-    cfg = load_config(REPO / "configs" / "toy" / "ppo.yaml",
-                      [f"trainer.output_dir={tmp_path}", "placement.mode=disaggregated",
-                       "placement.max_staleness=1", "logging.mlflow=false"])
-    with pytest.raises(ValueError, match="workflow 'ppo' implements at most 0"):
-        run(cfg)
+    # a config error (raygraph validate reports it), before anything starts
+    with pytest.raises(ConfigError, match="workflow 'ppo' implements at most 0"):
+        load_config(REPO / "configs" / "toy" / "ppo.yaml",
+                    [f"trainer.output_dir={tmp_path}", "placement.mode=disaggregated",
+                     "placement.max_staleness=1", "logging.mlflow=false"])
 
 
 # --- real runs under Ray ---------------------------------------------------------------------------
@@ -242,7 +234,7 @@ ASYNC = {"placement.max_staleness": 1, "placement.rollout_workers": 2, "actor.en
 
 @pytest.fixture(scope="module")
 def async_run(shared_assets, tmp_path_factory, ray_local):
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     out = tmp_path_factory.mktemp("async")
     return run(load_config(TOY, toy_overrides(shared_assets, out, **ASYNC)))
@@ -269,7 +261,7 @@ def test_async_resume_continues_exactly(async_run, shared_assets, tmp_path):
     """Resuming from step 2 (with the interpreted executor; the first run was compiled) repeats
     step 3: the checkpoint holds the sampler position before the lookahead and the rollouts
     prefetched for step 3."""
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     ckpt = async_run.run_dir / "checkpoints" / "step_2"
     assert all((ckpt / "rollout" / f"rank{r}" / "prefetched.pkl").is_file() for r in (0, 1))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from raygraph import checkpoint
+from raygraph.run import checkpoint
 
 
 def test_complete_checkpoint_is_found_and_partial_is_not(tmp_path):

@@ -18,7 +18,6 @@ from raygraph.config import (
     to_yaml,
 )
 from raygraph.config import schema as schema_module
-from raygraph.config.checks import _registry_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(glob.glob(str(ROOT / "configs" / "*.yaml")))
@@ -273,11 +272,11 @@ DISAGG = "placement.mode=disaggregated"
     (("rollout.n=1",), "the 'grpo' advantage estimator compares the samples of each prompt with each other, "
                        "so rollout.n must be at least 2 (got 1)"),
     (("workflow=rloo", "rollout.n=1"), "the 'rloo' advantage estimator compares"),
-    (("rollout.temperature=0",), "rollout.temperature=0 is greedy decoding: all rollout.n=4 samples"),
-    (("workflow=remax", "rollout.temperature=0", "rollout.top_p=0"), "rollout.top_p=0: must be in (0, 1]"),
+    (("rollout.temperature=0",), "rollout.temperature=0: must be > 0: training samples from softmax"),
+    (("workflow=remax", "rollout.top_p=0"), "rollout.top_p=0: must be in (0, 1]"),
     (("rollout.top_p=1.5",), "rollout.top_p=1.5: must be in (0, 1]"),
     (("rollout.max_new_tokens=0",), "rollout.max_new_tokens=0: must be at least 1"),
-    (("rollout.temperature=-1",), "rollout.temperature=-1: must be >= 0"),
+    (("rollout.temperature=-1",), "rollout.temperature=-1: must be > 0"),
     (("actor.dual_clip=1",), "actor.dual_clip=1: must be greater than 1"),
     (("reward.kind=model",), "reward.kind='model' needs reward.model_path"),
     (("reward.kind=remote",), "reward.kind='remote' needs reward.remote.url"),
@@ -298,11 +297,39 @@ def test_cross_field_check(overrides, message):
     assert len(found) == 1 and found[0].startswith(message), found
 
 
-def test_ppo_workflow_fixes_its_estimator():
+def test_unset_advantage_becomes_the_workflows_default():
     # ppo's estimator is gae (per sample), so one sample per prompt is fine and a critic is used.
     cfg = build_config(MINIMAL, ["workflow=ppo", "rollout.n=1"])
     assert cfg.advantage_estimator == "gae" and cfg.uses_critic
-    assert not build_config(MINIMAL).uses_critic
+    assert "advantage: gae" in to_yaml(cfg)          # the resolved config names what runs
+    assert build_config(MINIMAL).algorithm.advantage == "grpo" and not build_config(MINIMAL).uses_critic
+    assert build_config(MINIMAL, ["workflow=reinforce_pp"]).algorithm.advantage == "reinforce_pp"
+    assert build_config(MINIMAL, ["workflow=sft", "data.format=sft"]).algorithm.advantage is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("workflow=reinforce_pp", "algorithm.advantage=grpo"),
+     "algorithm.advantage='grpo' is not an estimator that workflow 'reinforce_pp' implements; it accepts: "
+     "reinforce_pp, reinforce_pp_baseline (default reinforce_pp)"),
+    (("workflow=ppo", "algorithm.advantage=grpo"), "algorithm.advantage='grpo' is not an estimator that workflow 'ppo'"),
+    (("workflow=sft", "data.format=sft", "algorithm.advantage=grpo"),
+     "algorithm.advantage='grpo': workflow 'sft' computes no advantages"),
+    (("workflow=sft", "data.format=sft", "placement.mode=disaggregated", "placement.max_staleness=1"),
+     "placement.max_staleness=1, but workflow 'sft' implements at most 0"),
+])
+def test_the_config_must_match_what_the_workflow_declares(overrides, message):
+    found = problems(MINIMAL, overrides)
+    assert len(found) == 1 and found[0].startswith(message), found
+
+
+def test_estimator_needs_are_read_from_the_registry():
+    from raygraph.algos import advantages
+
+    assert advantages.requires("gae") == {"values"} and advantages.requires("remax") == {"reward_baselines"}
+    assert advantages.requires("grpo") == {"group_ids"} and advantages.requires("reinforce_pp") == frozenset()
+    # the group-size rule follows the declaration: reinforce_pp needs no groups, rloo does
+    assert problems(MINIMAL, ("workflow=reinforce_pp", "rollout.n=1")) == []
+    assert problems(MINIMAL, ("workflow=rloo", "rollout.n=1"))[0].startswith("the 'rloo' advantage estimator")
 
 
 def test_old_logprobs_pass_is_skipped_only_for_one_on_policy_step():
@@ -372,18 +399,18 @@ def test_registry_names_are_checked(module, override, message):
 
 
 def test_workflow_reference_is_checked(tmp_path):
-    loader = pytest.importorskip("raygraph.workflow_loader")
     assert problems(MINIMAL, ("workflow=no_such_file.py:build",)) == [
         "workflow: workflow file 'no_such_file.py' does not exist"]
     (tmp_path / "algo.py").write_text("def build(roles, cfg):\n    return None\n")
     assert problems(MINIMAL, (f"workflow={tmp_path / 'algo.py'}:build",)) == []
-    if loader.workflow_names():
-        [message] = problems(MINIMAL, ("workflow=grpoo",))
-        assert message.startswith("workflow: unknown workflow 'grpoo'; valid names: ")
+    [message] = problems(MINIMAL, ("workflow=grpoo",))
+    assert message.startswith("workflow: unknown workflow 'grpoo'; valid names: dpo, grpo, ppo, ")
 
 
-def test_missing_registry_modules_are_skipped():
-    assert _registry_names("raygraph.no_such_module", "names") is None
+def test_a_workflow_written_against_the_old_imports_gets_the_new_ones(tmp_path):
+    (tmp_path / "old.py").write_text("from raygraph.dag import InputNode\n\ndef build(roles, cfg):\n    pass\n")
+    [message] = problems(MINIMAL, (f"workflow={tmp_path / 'old.py'}",))
+    assert "imports 'raygraph.dag', which moved in raygraph 0.2; use: from raygraph.graph import InputNode" in message
 
 
 def test_registry_problems_are_collected_with_schema_problems():

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from raygraph import steps
 from raygraph.batch import (
     ADVANTAGES,
     OLD_LOGPROBS,
@@ -16,6 +15,7 @@ from raygraph.batch import (
     UID,
     Batch,
 )
+from raygraph.graph import whole_batch
 
 
 def _scored(scores, uids, width=3, lengths=None):
@@ -33,21 +33,21 @@ def test_validation_accuracy_on_a_hand_made_case():
     batch = _scored([1.0, 0.0, 0.0, 1.0], ["a", "b", "c", "d"])
     batch = batch.with_columns(**{"reward_extra.acc": torch.tensor([1.0, 0.0, 0.0, 1.0]),
                                   "data_source": np.array(["x", "x", "y", "y"], dtype=object)})
-    m = steps.validation_metrics(batch)
+    m = whole_batch.validation_metrics(batch)
     assert m["val/accuracy"] == 0.5
     assert m["val/accuracy@x"] == 0.5 and m["val/accuracy@y"] == 0.5
     assert m["val/reward/mean"] == 0.5
 
 
 def test_validation_accuracy_without_acc_column_counts_positive_scores():
-    m = steps.validation_metrics(_scored([0.5, -1.0, 0.0], ["a", "b", "c"]))
+    m = whole_batch.validation_metrics(_scored([0.5, -1.0, 0.0], ["a", "b", "c"]))
     assert m["val/accuracy"] == pytest.approx(1 / 3)
 
 
 def test_grpo_advantages_are_global_over_the_batch_groups():
     # group a: scores 1, 0 -> mean 0.5, unbiased std 0.7071 -> +0.7071, -0.7071 on every valid token
     batch = _scored([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], lengths=[3, 2, 3, 3])
-    out = steps.compute_advantages(batch, Batch(meta={}), estimator="grpo")
+    out = whole_batch.compute_advantages(batch, Batch(meta={}), estimator="grpo")
     adv = out[ADVANTAGES]
     assert adv[0].tolist() == pytest.approx([0.70710, 0.70710, 0.70710], abs=1e-4)
     assert adv[1].tolist() == pytest.approx([-0.70710, -0.70710, 0.0], abs=1e-4)
@@ -59,7 +59,7 @@ def test_kl_in_reward_penalty_uses_the_driver_coefficient():
     batch = _scored([1.0, 0.0], ["a", "a"], width=2)
     batch = batch.with_columns(**{OLD_LOGPROBS: torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]),
                                   REF_LOGPROBS: torch.tensor([[-1.5, -1.0], [-2.0, -1.0]])})
-    out = steps.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1")
+    out = whole_batch.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1")
     # k1 = old - ref per token: row 0 [0.5, 0.0], row 1 [0.0, -1.0]; reward -= 0.1 * k1
     assert torch.allclose(out[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
     assert out.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
@@ -69,12 +69,12 @@ def test_old_logprobs_from_the_rollout_or_standing_in_for_the_kl_metric():
     batch = _scored([1.0, 0.0], ["a", "a"], width=2)
     batch = batch.with_columns(**{ROLLOUT_LOGPROBS: torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]),
                                   REF_LOGPROBS: torch.tensor([[-1.5, -1.0], [-2.0, -1.0]])})
-    taken = steps.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1",
+    taken = whole_batch.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1",
                                      old_from_rollout=True)
     assert torch.equal(taken[OLD_LOGPROBS], batch[ROLLOUT_LOGPROBS])
     assert torch.allclose(taken[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
     # no old_logprobs at all (the update computes its own): the metric uses the rollout's, no penalty
-    metric_only = steps.compute_advantages(batch, Batch(meta={}), estimator="grpo", kl_kind="k1")
+    metric_only = whole_batch.compute_advantages(batch, Batch(meta={}), estimator="grpo", kl_kind="k1")
     assert OLD_LOGPROBS not in metric_only
     assert metric_only.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
     assert torch.equal(metric_only[TOKEN_LEVEL_REWARDS], batch[TOKEN_LEVEL_SCORES])
@@ -82,7 +82,7 @@ def test_old_logprobs_from_the_rollout_or_standing_in_for_the_kl_metric():
 
 def test_rollout_metrics_report_reward_and_lengths():
     batch = _scored([1.0, 0.0, 0.5], ["a", "a", "b"], width=4, lengths=[4, 1, 2])
-    m = steps.rollout_metrics(batch)
+    m = whole_batch.rollout_metrics(batch)
     assert m["reward/mean"] == pytest.approx(0.5)
     assert m["rollout/response_length_max"] == 4 and m["rollout/response_length_min"] == 1
     assert m["rollout/clip_ratio"] == pytest.approx(1 / 3)

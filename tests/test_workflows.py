@@ -37,7 +37,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("config", TOY_CONFIGS, ids=lambda p: p.stem)
 def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     train_file = Path(load_config(config).data.train_files[0]).name
     cfg = load_config(config, toy_overrides(shared_assets, tmp_path, train_file))
@@ -65,7 +65,7 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
 
 def test_resume_continues_exactly(shared_assets, tmp_path, ray_local):
     """Stop after step 2, resume: steps 3-4 equal those of an uninterrupted 4-step run."""
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     config = REPO / "configs" / "grpo_toy.yaml"
     common = {"run_name": "same", "trainer.val_every": 2, "trainer.save_every": 2}
@@ -88,7 +88,7 @@ def test_resume_continues_exactly(shared_assets, tmp_path, ray_local):
 def test_old_logprobs_sources_agree_over_several_optimizer_steps(shared_assets, tmp_path, ray_local):
     """Two mini-batches per step: old log-probs recomputed by policy.logprobs or taken from the
     rollout give the same training (synchronous, fp32: they differ by float rounding only)."""
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     rows = {}
     for source in ("recompute", "rollout"):
@@ -104,8 +104,7 @@ def test_old_logprobs_sources_agree_over_several_optimizer_steps(shared_assets, 
 
 CUSTOM_WORKFLOW = '''
 """A user's workflow: GRPO without the old-logprob pass (on-policy, ratio 1)."""
-from raygraph import steps
-from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.graph import InputNode, MultiOutputNode, whole_batch
 
 ROLES = ("policy", "rollout", "reward")
 
@@ -114,16 +113,16 @@ def my_build(roles, cfg):
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("generate", prompts)
         scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
-        batch = roles.apply(steps.use_rollout_logprobs, scored)
-        batch = roles.apply(steps.compute_advantages, batch, prompts, estimator="dr_grpo")
+        batch = roles.apply(whole_batch.use_rollout_logprobs, scored)
+        batch = roles.apply(whole_batch.compute_advantages, batch, prompts, estimator="dr_grpo")
         update = roles.policy.bind("update", batch)
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update),
-                                roles.apply(steps.rollout_metrics, batch)])
+                                roles.apply(whole_batch.rollout_metrics, batch)])
 '''
 
 
 def test_custom_workflow_by_path(shared_assets, tmp_path, ray_local):
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     path = tmp_path / "my_algo.py"
     path.write_text(CUSTOM_WORKFLOW)
@@ -135,7 +134,7 @@ def test_custom_workflow_by_path(shared_assets, tmp_path, ray_local):
 
 def test_tutorial_workflow_file_runs_and_matches_the_doc(shared_assets, tmp_path, ray_local):
     """docs/custom-algorithm.md shows examples/rejection_sampling.py verbatim; that file trains."""
-    from raygraph.trainer import run
+    from raygraph.run.trainer import run
 
     example = REPO / "examples" / "rejection_sampling.py"
     doc = (REPO / "docs" / "custom-algorithm.md").read_text()

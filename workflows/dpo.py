@@ -12,10 +12,11 @@ and reward roles serve validation only (greedy accuracy on `data.val_files`).
 
 from __future__ import annotations
 
-from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.graph import InputNode, MultiOutputNode
 
 ROLES = ("policy", "reference", "rollout", "reward")
 DATA_FORMAT = "dpo"
+ADVANTAGES = ()  # no advantage estimator: algorithm.advantage must stay unset
 
 
 def build(roles, cfg):

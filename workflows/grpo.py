@@ -14,9 +14,10 @@ Asynchronous (`placement.max_staleness=1`, disaggregated placement only), one-st
            └► rollout.prefetch_next (the next step's prompts, with the weights of now) ─┴► weight sync
 
 How this departs from the paper (all config, same file):
-- The advantage estimator is `algorithm.advantage`: `grpo` (paper), `dr_grpo` (no std division,
-  Liu et al. 2025), or any other outcome estimator; loss aggregation is `actor.loss_agg`
-  (`token-mean` is DAPO's choice; the paper's per-sequence mean is `seq-mean-token-mean`).
+- The advantage estimator is `algorithm.advantage`, one of ADVANTAGES: `grpo` (paper, the
+  default), `dr_grpo` (no std division, Liu et al. 2025), or another outcome estimator.
+- Loss aggregation is `actor.loss_agg` (`token-mean` is DAPO's choice; the paper's per-sequence
+  mean is `seq-mean-token-mean`).
 - KL to the reference is in the loss (`actor.kl_loss_coef`, k3 by default, as in the paper) or in
   the reward (`algorithm.kl_in_reward.coef`), or absent (no reference role is started then).
 - One policy update per batch by default (`actor.ppo_epochs`, `actor.mini_batch_size`), so the
@@ -25,39 +26,39 @@ How this departs from the paper (all config, same file):
 - Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
   policy before the update (`old_logprobs`) and each token's advantage is weighted by
   `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
-  `raygraph.steps.truncated_importance_weights`). The first step (or one after a resume with
-  nothing prefetched) samples synchronously.
+  `raygraph.graph.whole_batch.truncated_importance_weights`). The first step (or one after a
+  resume with nothing prefetched) samples synchronously.
 """
 
 from __future__ import annotations
 
-from raygraph import steps
-from raygraph.dag import InputNode, MultiOutputNode
-from raygraph.workflow_parts import rollout_columns
+from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph.fragments import rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
 MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
 
 
-def build(roles, cfg, *, estimator: str | None = None):
-    """Build the per-step DAG over existing role groups; `estimator` overrides the config's."""
+def build(roles, cfg):
+    """Build the per-step DAG; `cfg.algorithm.advantage` is one of ADVANTAGES (checked by the config)."""
     pipelined = cfg.placement.max_staleness > 0
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate", prompts)
         batch = roles.apply(
-            steps.compute_advantages, roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts)), prompts,
-            estimator=estimator or cfg.algorithm.advantage, old_from_rollout=cfg.old_logprobs_source == "rollout",
+            whole_batch.compute_advantages, roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts)), prompts,
+            estimator=cfg.algorithm.advantage, old_from_rollout=cfg.old_logprobs_source == "rollout",
             gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         if not pipelined:
             update = roles.policy.bind("update", batch)
             sync = roles.sync_weights(after=update)
-            return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, batch)])
+            return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, batch)])
 
-        batch = roles.apply(steps.truncated_importance_weights, batch, cap=cfg.algorithm.is_cap)
-        metrics = [roles.apply(steps.rollout_metrics, batch),   # listed first: computed during the update
-                   roles.apply(steps.off_policy_metrics, batch, cap=cfg.algorithm.is_cap)]
+        batch = roles.apply(whole_batch.truncated_importance_weights, batch, cap=cfg.algorithm.is_cap)
+        metrics = [roles.apply(whole_batch.rollout_metrics, batch),   # listed first: computed during the update
+                   roles.apply(whole_batch.off_policy_metrics, batch, cap=cfg.algorithm.is_cap)]
         update = roles.policy.bind("update", batch)
         # The rollout ranks sample the next step while the policy trains, and receive the new
         # weights only after that (a data dependency: the sync waits for both).

@@ -17,11 +17,11 @@ and policy updates read the same batch and do not wait for each other.
 
 from __future__ import annotations
 
-from raygraph import steps
-from raygraph.dag import InputNode, MultiOutputNode
-from raygraph.workflow_parts import rollout_columns
+from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph.fragments import rollout_columns
 
 ROLES = ("policy", "rollout", "reward", "critic")
+ADVANTAGES = ("gae",)
 
 
 def build(roles, cfg):
@@ -29,7 +29,7 @@ def build(roles, cfg):
         rollouts = roles.rollout.bind("generate", prompts)
         parts = [rollouts, *rollout_columns(roles, cfg, rollouts), roles.critic.bind("values", rollouts)]
         batch = roles.apply(
-            steps.compute_advantages, roles.gather(*parts), prompts, estimator="gae",
+            whole_batch.compute_advantages, roles.gather(*parts), prompts, estimator=cfg.algorithm.advantage,
             old_from_rollout=cfg.old_logprobs_source == "rollout",
             gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
@@ -37,4 +37,4 @@ def build(roles, cfg):
         policy_update = roles.policy.bind("update", batch)
         sync = roles.sync_weights(after=policy_update)
         return MultiOutputNode([roles.gather(policy_update), roles.gather(critic_update), sync,
-                                roles.apply(steps.rollout_metrics, batch)])
+                                roles.apply(whole_batch.rollout_metrics, batch)])

@@ -9,14 +9,9 @@ where the config puts it — the paper folds a k1 KL into the token reward
 
 from __future__ import annotations
 
-from workflows import grpo
+from raygraph.workflows import grpo
 
 ROLES = grpo.ROLES
+ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline")
 MAX_STALENESS = grpo.MAX_STALENESS
-
-
-def build(roles, cfg):
-    estimator = cfg.algorithm.advantage
-    if estimator not in ("reinforce_pp", "reinforce_pp_baseline"):
-        estimator = "reinforce_pp"
-    return grpo.build(roles, cfg, estimator=estimator)
+build = grpo.build

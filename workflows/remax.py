@@ -13,11 +13,11 @@ Departures from the paper: the greedy branch runs in the same DAG step as the sa
 
 from __future__ import annotations
 
-from raygraph import steps
-from raygraph.dag import InputNode, MultiOutputNode
-from raygraph.workflow_parts import rollout_columns
+from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph.fragments import rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
+ADVANTAGES = ("remax",)
 
 
 def build(roles, cfg):
@@ -26,12 +26,12 @@ def build(roles, cfg):
         greedy = roles.rollout.bind("generate", prompts, greedy=True, n=1)
         baseline = roles.gather(greedy, roles.reward.bind("score", greedy))
         parts = [rollouts, *rollout_columns(roles, cfg, rollouts)]
-        batch = roles.apply(steps.attach_reward_baselines, roles.gather(*parts), baseline)
+        batch = roles.apply(whole_batch.attach_reward_baselines, roles.gather(*parts), baseline)
         batch = roles.apply(
-            steps.compute_advantages, batch, prompts, estimator="remax", gamma=cfg.algorithm.gamma,
+            whole_batch.compute_advantages, batch, prompts, estimator=cfg.algorithm.advantage, gamma=cfg.algorithm.gamma,
             old_from_rollout=cfg.old_logprobs_source == "rollout",
             kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         update = roles.policy.bind("update", batch)
         sync = roles.sync_weights(after=update)
-        return MultiOutputNode([roles.gather(update), sync, roles.apply(steps.rollout_metrics, batch)])
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, batch)])

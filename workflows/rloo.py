@@ -9,11 +9,9 @@ std division. Departures from the paper: the update is the clipped PPO surrogate
 
 from __future__ import annotations
 
-from workflows import grpo
+from raygraph.workflows import grpo
 
 ROLES = grpo.ROLES
+ADVANTAGES = ("rloo",)
 MAX_STALENESS = grpo.MAX_STALENESS
-
-
-def build(roles, cfg):
-    return grpo.build(roles, cfg, estimator="rloo")
+build = grpo.build

@@ -16,10 +16,11 @@ no gain at this size.
 
 from __future__ import annotations
 
-from raygraph.dag import InputNode, MultiOutputNode
+from raygraph.graph import InputNode, MultiOutputNode
 
 ROLES = ("policy", "rollout", "reward")
 DATA_FORMAT = "sft"
+ADVANTAGES = ()  # no advantage estimator: algorithm.advantage must stay unset
 
 
 def build(roles, cfg):

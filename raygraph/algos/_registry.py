@@ -9,7 +9,7 @@ names, so a typo in a config is caught with a helpful message.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["Registry"]
 
@@ -26,9 +26,13 @@ class Registry:
     def __init__(self, family: str) -> None:
         self.family = family
         self._entries: dict[str, Callable] = {}
+        self._info: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
+    def register(self, name: str, *aliases: str, **info: Any) -> Callable[[F], F]:
         """Decorator registering `fn` under `name` and any `aliases`.
+
+        `info` declares facts about the entry that others read from here (e.g. which inputs an
+        advantage estimator needs), so they are stated once, where the entry is defined.
 
         Raises:
             ValueError: if a name is already taken (two entries must never share a name).
@@ -39,9 +43,15 @@ class Registry:
                 if key in self._entries:
                     raise ValueError(f"{self.family} {key!r} is already registered")
                 self._entries[key] = fn
+                self._info[key] = dict(info)
             return fn
 
         return decorator
+
+    def info(self, name: str) -> dict[str, Any]:
+        """What was declared with `name` at registration (raises like `get` for an unknown name)."""
+        self.get(name)
+        return dict(self._info[name])
 
     def get(self, name: str) -> Callable:
         """Return the function registered as `name`.

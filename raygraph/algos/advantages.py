@@ -26,15 +26,25 @@ import torch
 from raygraph.algos._registry import Registry
 from raygraph.algos.masked import as_float_mask, masked_whiten
 
-__all__ = ["compute", "names"]
+__all__ = ["compute", "names", "requires", "INPUTS"]
 
 _ESTIMATORS = Registry("advantage estimator")
 Tensor = torch.Tensor
 
 
+# The optional inputs an estimator may declare it needs (`register(..., needs=...)`).
+INPUTS = ("group_ids", "values", "reward_baselines")
+
+
 def names() -> tuple[str, ...]:
     """Names accepted by `compute`, sorted."""
     return _ESTIMATORS.names()
+
+
+def requires(name: str) -> frozenset[str]:
+    """The optional inputs (of `INPUTS`) that estimator `name` needs, as declared where it is
+    registered: "group_ids" (several samples per prompt), "values" (a critic), "reward_baselines"."""
+    return frozenset(_ESTIMATORS.info(name).get("needs", ()))
 
 
 def compute(
@@ -71,6 +81,9 @@ def compute(
     """
     estimator = _ESTIMATORS.get(name)
     mask, inputs = _prepare(token_rewards, response_mask, group_ids, values, reward_baselines)
+    for arg in sorted(requires(name)):
+        if inputs[arg] is None:
+            raise ValueError(f"advantage estimator {name!r} needs `{arg}`, which was not given")
     with torch.no_grad():
         adv, ret = estimator(**inputs, response_mask=mask, gamma=float(gamma), lam=float(lam), eps=float(eps))
         valid = mask > 0
@@ -107,12 +120,6 @@ def _prepare(token_rewards, response_mask, group_ids, values, reward_baselines) 
         "reward_baselines": reward_baselines,
     }
     return mask, inputs
-
-
-def _require(value: Any, arg: str, estimator: str) -> Any:
-    if value is None:
-        raise ValueError(f"advantage estimator {estimator!r} needs `{arg}`, which was not given")
-    return value
 
 
 def _group_index(group_ids: Sequence[Any] | Tensor, batch: int, device: torch.device) -> Tensor:
@@ -158,14 +165,13 @@ def _return_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 # int64 index and all tensors as float32.
 
 
-@_ESTIMATORS.register("gae")
+@_ESTIMATORS.register("gae", needs=("values",))
 def _gae(*, token_rewards, response_mask, group_ids, values, reward_baselines, gamma, lam, eps):
     """Generalised advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous
     Control Using GAE", eq. 16): `delta_t = r_t + gamma V_{t+1} - V_t`,
     `A_t = delta_t + gamma lam A_{t+1}`, bootstrapping with V = 0 after the last valid token.
     Returns `R_t = A_t + V_t` (before whitening); advantages are then whitened over valid tokens.
     """
-    values = _require(values, "values", "gae")
     batch, length = token_rewards.shape
     next_value = token_rewards.new_zeros(batch)
     last_adv = token_rewards.new_zeros(batch)
@@ -180,10 +186,9 @@ def _gae(*, token_rewards, response_mask, group_ids, values, reward_baselines, g
     return masked_whiten(adv, response_mask), returns
 
 
-def _grpo_like(token_rewards, response_mask, group_ids, estimator, eps, divide_by_std):
+def _grpo_like(token_rewards, response_mask, group_ids, eps, divide_by_std):
     scores = token_rewards.sum(dim=-1)  # (B,)
-    index = _require(group_ids, "group_ids", estimator)
-    mean, std, _ = _group_mean_std(scores, index)
+    mean, std, _ = _group_mean_std(scores, group_ids)
     adv = scores - mean
     if divide_by_std:
         adv = adv / (std + eps)
@@ -191,28 +196,27 @@ def _grpo_like(token_rewards, response_mask, group_ids, estimator, eps, divide_b
     return adv, adv
 
 
-@_ESTIMATORS.register("grpo")
+@_ESTIMATORS.register("grpo", needs=("group_ids",))
 def _grpo(*, token_rewards, response_mask, group_ids, values, reward_baselines, gamma, lam, eps):
     """Group-relative advantage (Shao et al. 2024, DeepSeekMath, sec. 4.1.2):
     `A_i = (s_i - mean(s_group)) / (std(s_group) + eps)`, unbiased std, broadcast over tokens."""
-    return _grpo_like(token_rewards, response_mask, group_ids, "grpo", eps, divide_by_std=True)
+    return _grpo_like(token_rewards, response_mask, group_ids, eps, divide_by_std=True)
 
 
-@_ESTIMATORS.register("dr_grpo")
+@_ESTIMATORS.register("dr_grpo", needs=("group_ids",))
 def _dr_grpo(*, token_rewards, response_mask, group_ids, values, reward_baselines, gamma, lam, eps):
     """GRPO without the std division (Liu et al. 2025, "Understanding R1-Zero-Like Training",
     Dr. GRPO): `A_i = s_i - mean(s_group)`."""
-    return _grpo_like(token_rewards, response_mask, group_ids, "dr_grpo", eps, divide_by_std=False)
+    return _grpo_like(token_rewards, response_mask, group_ids, eps, divide_by_std=False)
 
 
-@_ESTIMATORS.register("rloo")
+@_ESTIMATORS.register("rloo", needs=("group_ids",))
 def _rloo(*, token_rewards, response_mask, group_ids, values, reward_baselines, gamma, lam, eps):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): baseline is the mean of
     the other n-1 members, `A_i = s_i - mean_{j!=i} s_j = (n s_i - n mean) / (n - 1)`.
     Singleton groups keep their raw score."""
     scores = token_rewards.sum(dim=-1)
-    index = _require(group_ids, "group_ids", "rloo")
-    mean, _, count = _group_mean_std(scores, index)
+    mean, _, count = _group_mean_std(scores, group_ids)
     scale = count / (count - 1).clamp(min=1)
     adv = torch.where(count > 1, scores * scale - mean * scale, scores)
     adv = adv.unsqueeze(-1) * response_mask
@@ -227,22 +231,20 @@ def _reinforce_pp(*, token_rewards, response_mask, group_ids, values, reward_bas
     return masked_whiten(returns, response_mask), returns
 
 
-@_ESTIMATORS.register("reinforce_pp_baseline")
+@_ESTIMATORS.register("reinforce_pp_baseline", needs=("group_ids",))
 def _reinforce_pp_baseline(*, token_rewards, response_mask, group_ids, values, reward_baselines, gamma, lam, eps):
     """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262), for groups of samples per prompt:
     `s_i - mean(s_group)` broadcast over tokens, then whitened over the batch's valid tokens."""
     scores = token_rewards.sum(dim=-1)
-    index = _require(group_ids, "group_ids", "reinforce_pp_baseline")
-    mean, _, _ = _group_mean_std(scores, index)
+    mean, _, _ = _group_mean_std(scores, group_ids)
     centred = (scores - mean).unsqueeze(-1) * response_mask
     adv = masked_whiten(centred, response_mask) * response_mask
     return adv, adv
 
 
-@_ESTIMATORS.register("remax")
+@_ESTIMATORS.register("remax", needs=("reward_baselines",))
 def _remax(*, token_rewards, response_mask, group_ids, values, reward_baselines, gamma, lam, eps):
     """ReMax (Li et al. 2024, arXiv:2310.10505): return-to-go minus the score of the greedy
     response, `A_t = G_t - b`. Returns are `G_t`."""
-    baselines = _require(reward_baselines, "reward_baselines", "remax")
     returns = _return_to_go(token_rewards, response_mask, gamma)
-    return returns - baselines.unsqueeze(-1), returns
+    return returns - reward_baselines.unsqueeze(-1), returns

@@ -13,6 +13,7 @@ Masks may be bool, int or float; inputs of any float dtype are computed in float
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +21,7 @@ from raygraph.algos._registry import Registry
 from raygraph.algos.dpo import dpo_loss
 from raygraph.algos.masked import as_float_mask, masked_mean
 
-__all__ = ["AGG_MODES", "aggregate", "dpo_loss", "policy_loss", "policy_loss_names", "value_loss"]
+__all__ = ["AGG_MODES", "aggregate", "normaliser", "dpo_loss", "policy_loss", "policy_loss_names", "value_loss"]
 
 Tensor = torch.Tensor
 Stats = dict[str, Tensor]
@@ -36,19 +37,34 @@ def _row_mean(per_row: Tensor, mask: Tensor) -> Tensor:
     return (per_row * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
-_AGGREGATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+def _rows_with_tokens(mask: Tensor) -> float:
+    return float((mask.sum(-1) > 0).sum())
+
+
+@dataclass(frozen=True)
+class _Aggregation:
+    """A loss-aggregation mode: how token losses become a scalar, and what that scalar is
+    normalised by (`count(mask)`; None for a plain sum), which micro-batching must respect."""
+
+    reduce: Callable[[Tensor, Tensor], Tensor]
+    count: Callable[[Tensor], float] | None
+
+
+_AGGREGATORS: dict[str, _Aggregation] = {
     # mean over every valid token of the batch (long answers weigh more)
-    "token-mean": lambda loss, mask: (loss * mask).sum() / mask.sum().clamp(min=1e-8),
+    "token-mean": _Aggregation(lambda loss, mask: (loss * mask).sum() / mask.sum().clamp(min=1e-8),
+                               lambda mask: float(mask.sum())),
     # plain sum over valid tokens
-    "token-sum": lambda loss, mask: (loss * mask).sum(),
+    "token-sum": _Aggregation(lambda loss, mask: (loss * mask).sum(), None),
     # sum within a sequence, mean over sequences
-    "seq-mean-token-sum": lambda loss, mask: _row_mean((loss * mask).sum(-1), mask),
+    "seq-mean-token-sum": _Aggregation(lambda loss, mask: _row_mean((loss * mask).sum(-1), mask),
+                                       _rows_with_tokens),
     # mean within a sequence, mean over sequences (the original GRPO objective)
-    "seq-mean-token-mean": lambda loss, mask: _row_mean(
-        (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1e-8), mask
-    ),
+    "seq-mean-token-mean": _Aggregation(
+        lambda loss, mask: _row_mean((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1e-8), mask), _rows_with_tokens),
     # seq-mean-token-sum / T with T the constant padded length (Dr. GRPO, Liu et al. 2025)
-    "seq-mean-token-sum-norm": lambda loss, mask: _row_mean((loss * mask).sum(-1), mask) / mask.shape[-1],
+    "seq-mean-token-sum-norm": _Aggregation(
+        lambda loss, mask: _row_mean((loss * mask).sum(-1), mask) / mask.shape[-1], _rows_with_tokens),
 }
 AGG_MODES: tuple[str, ...] = tuple(_AGGREGATORS)
 
@@ -70,7 +86,20 @@ def aggregate(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     if loss_mat.dim() != 2 or loss_mat.shape != mask.shape:
         raise ValueError(f"loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} must both be (B, T)")
-    return _AGGREGATORS[mode](loss_mat.float(), as_float_mask(mask))
+    return _AGGREGATORS[mode].reduce(loss_mat.float(), as_float_mask(mask))
+
+
+def normaliser(mode: str, mask: Tensor) -> float | None:
+    """What `aggregate(..., mode)` divides a batch's summed loss by: its valid tokens (token-mean)
+    or its rows with tokens (seq-mean-*); None for token-sum, which is not normalised.
+
+    Gradient accumulation uses it: a micro-batch's aggregated loss times `normaliser(micro) /
+    normaliser(whole mini-batch)` sums to the mini-batch's aggregated loss.
+    """
+    if mode not in _AGGREGATORS:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+    count = _AGGREGATORS[mode].count
+    return None if count is None else count(as_float_mask(mask))
 
 
 # --------------------------------------------------------------------------- policy losses

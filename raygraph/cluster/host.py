@@ -4,7 +4,7 @@ Neither carries `@ray.remote`: `raygraph.cluster.roles` turns them into actors a
 with resources taken from the placement (`ray.remote(num_cpus=..., num_gpus=...)(RoleHost)`).
 
 A `RoleHost` holds one worker per role it hosts (one role normally; several when roles are fused
-in colocated mode) and runs DAG steps and direct calls on them. Every exception leaving it is a
+in colocated mode) and runs actor tasks and direct calls on them. Every exception leaving it is a
 `RemoteFailure` that names the role, rank, node and traceback.
 """
 
@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raygraph.cluster import steps as S
+from raygraph.cluster import collective, tasks
 from raygraph.cluster.errors import CallSite, RemoteFailure, WeightSyncError
+from raygraph.cluster.weights import CollectiveTransport, InProcessTransport
 
 __all__ = ["RoleHost", "Coordinator"]
 
@@ -91,57 +92,52 @@ class RoleHost:
     def ping(self) -> bool:
         return True
 
-    # --- DAG steps --------------------------------------------------------------------------------
+    # --- tasks -------------------------------------------------------------------------------------
     def take_timings(self) -> dict[str, float]:
         return self.timings.take()
 
-    def run(self, step: S.Step, *values: Any) -> Any:
-        """Execute one DAG step (see `raygraph.cluster.steps.Step`), or a whole plan ("plan")."""
-        if step.op == "plan":
-            out = self._run_plan(step, values[0])
+    def run(self, task: tasks.Task, *values: Any) -> Any:
+        """Execute one task (see `raygraph.cluster.tasks.Task`), or a whole fused plan ("plan")."""
+        if task.op == "plan":
+            out = self._run_plan(task, values[0])
         else:
-            with self._guard(step.role, step.method or step.op), self.timings.stage(step.label):
-                out = self._run_step(step, values)
-        return S.with_status(step, out)
+            with self._guard(task.role, task.method or task.op), self.timings.stage(task.label):
+                out = self._run_task(task, values)
+        return tasks.with_status(task, out)
 
-    def _run_step(self, step: S.Step, values: tuple) -> Any:
-        if step.op in S.WHOLE_OPS:
-            return S.run_whole(step, values)
-        args, kwargs = S.resolve(step, values)
-        if step.op == "call":
-            return getattr(self.workers[step.role], step.method)(*args, **kwargs)
-        if step.op not in S.WEIGHT_OPS:
-            raise ValueError(f"RoleHost cannot run step op {step.op!r}")
-        return getattr(self, step.op)(**step.extra)
+    def _run_task(self, task: tasks.Task, values: tuple) -> Any:
+        if task.op in tasks.WHOLE_OPS:
+            return tasks.run_whole(task, values)
+        args, kwargs = tasks.resolve(task, values)
+        if task.op == "call":
+            return getattr(self.workers[task.role], task.method)(*args, **kwargs)
+        if task.op not in tasks.WEIGHT_OPS:
+            raise ValueError(f"RoleHost cannot run task op {task.op!r}")
+        return getattr(self, task.op)(**task.extra)
 
-    def _run_plan(self, step: S.Step, x: Any) -> Any:
-        """Every step of a plan in this process, values passed in memory (`Executor` fuses
-        plans whose role steps all run on one actor into one such step)."""
-        values: dict[tuple, Any] = {S.INPUT: x}
+    def _run_plan(self, task: tasks.Task, x: Any) -> Any:
+        """Every task of a fused plan in this process, values passed in memory (`Executor` fuses
+        plans whose role tasks all run on one actor into one such task)."""
+        values: dict[tuple, Any] = {tasks.INPUT: x}
         host = next(iter(self.sites.values()))
         coordinator = CallSite("coordinator", 0, host.actor_name, host.node_id, host.node_ip)
-        for sub, inputs, outputs in step.extra["ops"]:
-            # a whole-batch step failing here is the coordinator's work, done in this actor
-            guard = (_Guard(coordinator, sub.label) if sub.op in S.WHOLE_OPS
+        for sub, inputs, outputs in task.extra["ops"]:
+            # a whole-batch task failing here is the coordinator's work, done in this actor
+            guard = (_Guard(coordinator, sub.label) if sub.op in tasks.WHOLE_OPS
                      else self._guard(sub.role, sub.method or sub.op))
             with guard, self.timings.stage(sub.label):
-                result = self._run_step(sub, tuple(values[v] for v in inputs))
+                result = self._run_task(sub, tuple(values[v] for v in inputs))
             values.update(zip(outputs, result if sub.n_out > 1 else (result,)))
-        outs = tuple(values[v] for v in step.extra["outputs"])
-        return outs if step.n_out > 1 else outs[0]
+        outs = tuple(values[v] for v in task.extra["outputs"])
+        return outs if task.n_out > 1 else outs[0]
 
     # --- weight sync ------------------------------------------------------------------------------
     def weights_open(self, group: str, world: int, timeout_s: float) -> tuple[str, int]:
-        from raygraph.cluster import collective
-
         return collective.open_store(group, world, timeout_s)
 
     def weights_join(self, role: str, group: str, rank: int, world: int, addr: str, port: int,
                      timeout_s: float, labels: list[str], verify: bool = True) -> None:
         import torch
-
-        from raygraph.cluster import collective
-        from raygraph.cluster.weights import CollectiveTransport
 
         with self._guard(role, "weights_join"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,8 +152,6 @@ class RoleHost:
     def weights_local(self, src: str, dst: str, bucket_bytes: int, strict: bool = True,
                       corrupt_bucket: int | None = None, version: int | None = None) -> dict:
         """Colocated: hand the policy's buckets to the rollout worker in this process."""
-        from raygraph.cluster.weights import InProcessTransport
-
         with self._guard(dst, "load_weights"):
             v = self._next_version(f"{src}->{dst}", version)
             transport = InProcessTransport()
@@ -210,7 +204,7 @@ class _Guard:
 
 
 class Coordinator:
-    """Runs whole-batch steps (scatter, gather, apply, sync stats) off the driver."""
+    """Runs whole-batch tasks (scatter, gather, apply, sync stats) off the driver."""
 
     def __init__(self, run_name: str):
         node_id, ip = _node()
@@ -223,16 +217,16 @@ class Coordinator:
     def take_timings(self) -> dict[str, float]:
         return self.timings.take()
 
-    def run(self, step: S.Step, *values: Any) -> Any:
-        with _Guard(self.site, step.label), self.timings.stage(step.label):
-            if step.op not in S.WHOLE_OPS:
-                raise ValueError(f"Coordinator cannot run step op {step.op!r}")
-            out = S.run_whole(step, values)
-        return S.with_status(step, out)
+    def run(self, task: tasks.Task, *values: Any) -> Any:
+        with _Guard(self.site, task.label), self.timings.stage(task.label):
+            if task.op not in tasks.WHOLE_OPS:
+                raise ValueError(f"Coordinator cannot run task op {task.op!r}")
+            out = tasks.run_whole(task, values)
+        return tasks.with_status(task, out)
 
 
 class _StageTimings:
-    """Seconds spent in each DAG step label since the last `take()` (per-stage `timing/*`)."""
+    """Seconds spent in each task label since the last `take()` (per-stage `timing/*`)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}

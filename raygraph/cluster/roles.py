@@ -16,9 +16,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raygraph.cluster import tasks
 from raygraph.cluster.errors import CallSite, wait_calls
 from raygraph.cluster.host import Coordinator, RoleHost
 from raygraph.cluster.pools import PoolSpec, create_pool, remove_pool
+from raygraph.cluster.weight_sync import WeightSync
 
 __all__ = ["RoleSpec", "RoleGroup", "Roles", "build_roles"]
 
@@ -49,14 +51,24 @@ class RoleSpec:
 
 
 class RoleGroup:
-    """The ranks of one role. Calls fan out to every rank; failures raise `RoleError`."""
+    """The ranks of one role. Calls fan out to every rank; failures raise `RoleError`.
 
-    def __init__(self, name: str, roles: Roles, actors: list, sites: list[CallSite]):
-        self.name, self.roles, self.actors, self.sites = name, roles, actors, sites
+    Args:
+        name: the role.
+        worker_cls: the worker class every rank runs (what a graph may call on this role).
+        actors, sites: one actor handle and one `CallSite` per rank.
+    """
+
+    def __init__(self, name: str, worker_cls: Callable[..., Any], actors: list, sites: list[CallSite]):
+        self.name, self.worker_cls, self.actors, self.sites = name, worker_cls, actors, sites
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
+
+    def shares_actors_with(self, other: RoleGroup) -> bool:
+        """Whether rank i of both roles lives in one actor process (fused in colocated mode)."""
+        return self.world_size == other.world_size and all(a == b for a, b in zip(self.actors, other.actors))
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Submit `method` on every rank; returns one ref per rank (same args to all)."""
@@ -82,9 +94,7 @@ class RoleGroup:
 
     def call_sharded(self, method: str, batch: Any, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank with that rank's share of `batch` (split by prompt group)."""
-        from raygraph.cluster import steps as S
-
-        shards = S.scatter(batch, self.world_size)
+        shards = tasks.scatter(batch, self.world_size)
         refs = [a.call.options(name=f"{self.name}.{method}").remote(self.name, method, shard, **kwargs)
                 for a, shard in zip(self.actors, shards)]
         return wait_calls(refs, self.sites, [method] * len(refs))
@@ -93,29 +103,26 @@ class RoleGroup:
         ref = self.actors[0].call.options(name=f"{self.name}.{method}").remote(self.name, method, *args, **kwargs)
         return wait_calls([ref], self.sites[:1], [method])[0]
 
-    def bind(self, method: str, *args: Any, **kwargs: Any):
-        """A DAG node: `method` on every rank. Whole-batch inputs are split by prompt group."""
-        from raygraph.dag import CallNode
-
-        return CallNode(self, method, args, kwargs)
-
     def __repr__(self) -> str:
         return f"RoleGroup({self.name!r}, world_size={self.world_size})"
 
 
 class Roles:
-    """All role groups of a run, their placement groups and the coordinator actor."""
+    """All role groups of a run, their placement groups, the coordinator actor and weight sync.
 
-    def __init__(self, run_name: str, mode: str, bucket_bytes: int, weight_sync_timeout_s: float,
-                 weight_sync_verify: bool = True):
+    Attributes:
+        groups: role name -> `RoleGroup` (also reachable as `roles.<name>` and `roles[name]`).
+        weights: the run's `WeightSync` (`roles.weights.sync_now()` pushes weights now).
+        coordinator: the actor that runs whole-batch tasks (scatter, gather, apply).
+    """
+
+    def __init__(self, run_name: str, mode: str):
         self.run_name, self.mode = run_name, mode
-        self.bucket_bytes, self.weight_sync_timeout_s = bucket_bytes, weight_sync_timeout_s
-        self.weight_sync_verify = weight_sync_verify
         self.groups: dict[str, RoleGroup] = {}
         self.placement_groups: dict[str, Any] = {}
         self.hosts: list = []
         self.coordinator = None
-        self.weight_groups: dict[tuple[str, str], str] = {}   # (src, dst) -> collective group name
+        self.weights: WeightSync | None = None
         self._closed = False
 
     def __getattr__(self, name: str) -> RoleGroup:
@@ -130,50 +137,8 @@ class Roles:
     def names(self) -> list[str]:
         return list(self.groups)
 
-    def fused(self, a: str, b: str) -> bool:
-        """Whether ranks of roles `a` and `b` share actor processes."""
-        ga, gb = self.groups[a], self.groups[b]
-        return ga.world_size == gb.world_size and all(x == y for x, y in zip(ga.actors, gb.actors))
-
-    # --- DAG helpers (nodes, see raygraph.dag) ------------------------------------------------------
-    def gather(self, *nodes):
-        """A node holding the whole result: shards concatenated, inputs' columns unioned."""
-        from raygraph.dag import GatherNode
-
-        return GatherNode(self, nodes)
-
-    def apply(self, fn: Callable, *args: Any, **kwargs: Any):
-        """A node running the module-level function `fn` on whole values on the coordinator."""
-        from raygraph.dag import ApplyNode
-
-        return ApplyNode(self, fn, args, kwargs)
-
-    def sync_weights(self, after=None, src: str = "policy", dst: str = "rollout", *,
-                     strict: bool = True, corrupt_bucket: int | None = None):
-        """A node that pushes `src`'s weights to every `dst` rank once `after` is done.
-
-        Returns a node whose value is a dict: weights/verified, weights/version, weights/bytes,
-        weights/sync_s (and weights/receivers, weights/gbytes_per_s).
-        """
-        from raygraph.dag import SyncNode
-
-        return SyncNode(self, src, dst, after, strict=strict, corrupt_bucket=corrupt_bucket)
-
-    def sync_weights_now(self, src: str = "policy", dst: str = "rollout", *, strict: bool = True,
-                         corrupt_bucket: int | None = None, version: int | None = None) -> dict:
-        """Push weights immediately (outside a DAG), e.g. after loading a checkpoint.
-
-        Args:
-            strict: raise on a bucket that fails verification (else report weights/verified=0).
-            corrupt_bucket: for tests only: flip one byte of that bucket after its checksum.
-            version: stamp this version instead of the next one (e.g. the step when resuming).
-        """
-        from raygraph.cluster.sync import sync_now
-
-        return sync_now(self, src, dst, strict=strict, corrupt_bucket=corrupt_bucket, version=version)
-
     def take_stage_timings(self) -> dict[str, float]:
-        """`timing/<stage>_s` since the last call: per DAG step label, the slowest rank's seconds."""
+        """`timing/<stage>_s` since the last call: per task label, the slowest rank's seconds."""
         actors = [*self.hosts, self.coordinator]
         out: dict[str, float] = {}
         for per_actor in ray.get([a.take_timings.remote() for a in actors if a is not None]):
@@ -238,8 +203,6 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
     Raises:
         PlacementError: a pool could not be placed in time. RoleError: an actor failed to start.
     """
-    from raygraph.cluster.sync import setup_weight_groups
-
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     pairs = [p for p in weight_sync if p[0] in specs and p[1] in specs]
@@ -250,7 +213,9 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
                 if src in unit and dst in unit:
                     raise ValueError(f"disaggregated mode cannot fuse {src!r} and {dst!r} (colocate={tuple(unit)}); "
                                      "use mode='colocated' or colocate them separately")
-    roles = Roles(run_name, mode, bucket_bytes, weight_sync_timeout_s, weight_sync_verify)
+    roles = Roles(run_name, mode)
+    roles.weights = WeightSync(run_name, roles.groups, bucket_bytes=bucket_bytes,
+                               timeout_s=weight_sync_timeout_s, verify=weight_sync_verify)
     try:
         for name, spec in pools.items():
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)
@@ -259,7 +224,7 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
         _create_hosts(roles, pools, specs, units, env)
         _init_distributed(roles, specs, placement_timeout_s)
         _construct(roles, specs)
-        setup_weight_groups(roles, pairs)
+        roles.weights.connect(pairs)
     except BaseException:
         roles.shutdown()
         raise
@@ -330,7 +295,7 @@ def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
     for role, actors in members.items():
         role_sites = [CallSite(role, rank, name, info_by_name[name]["node_id"], info_by_name[name]["node_ip"])
                       for rank, (_, name) in enumerate(actors)]
-        roles.groups[role] = RoleGroup(role, roles, [a for a, _ in actors], role_sites)
+        roles.groups[role] = RoleGroup(role, specs[role].factory, [a for a, _ in actors], role_sites)
 
 
 def _init_distributed(roles: Roles, specs: dict[str, RoleSpec], timeout_s: float) -> None:

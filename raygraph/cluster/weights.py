@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
+from raygraph.cluster import collective
 from raygraph.cluster.errors import WeightSyncError
 
 __all__ = ["Bucket", "WeightTransport", "InProcessTransport", "CollectiveTransport",
@@ -240,8 +241,6 @@ class CollectiveTransport:
     """
 
     def __init__(self, group_name: str, src: int = 0, *, verify: bool = True):
-        from raygraph.cluster import collective
-
         self.group_name, self.src, self.verify = group_name, src, verify
         self._group = collective.group(group_name)
         self._device = self._group.device
@@ -369,8 +368,6 @@ class CollectiveTransport:
         return _receiver_stats(version, stats, time.perf_counter() - start)
 
     def close(self) -> None:
-        from raygraph.cluster import collective
-
         self._comm.shutdown(wait=False, cancel_futures=True)   # a broadcast stuck on a dead peer
         self._bufs = []                                         # fails when the group goes
         collective.leave(self.group_name)

@@ -1,25 +1,42 @@
 """Rules that relate several config keys, and names checked against the registries.
 
 Each check returns plain-language problems (a list, possibly empty), so that every problem of a
-config is reported at once. Registry modules are imported lazily: a module that is not present
-(ImportError) is skipped rather than reported, so the config can be checked in a checkout where
-that part of raygraph is not installed yet.
+config is reported at once. Registry names are read from the registries themselves.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 from pathlib import Path
 
-from raygraph.config.schema import GROUP_ESTIMATORS, ROLES, RaygraphConfig
+from raygraph import rewards
+from raygraph.algos import advantages, dpo, kl, losses
+from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs
+from raygraph.config.workflow_ref import Workflow
 
-__all__ = ["config_problems", "registry_problems", "semantic_problems"]
+__all__ = ["config_problems", "registry_problems", "semantic_problems", "workflow_problems"]
 
 
-def config_problems(cfg: RaygraphConfig) -> list[str]:
-    """Every cross-field and registry problem of a structurally valid config."""
-    return semantic_problems(cfg) + registry_problems(cfg)
+def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> list[str]:
+    """Every cross-field and registry problem of a structurally valid config, and (given the
+    loaded `workflow`) every mismatch with what the workflow declares."""
+    problems = semantic_problems(cfg) + registry_problems(cfg)
+    return problems + (workflow_problems(cfg, workflow) if workflow is not None else [])
+
+
+def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
+    """The config against the workflow's declarations (ADVANTAGES, MAX_STALENESS)."""
+    problems, advantage = [], cfg.algorithm.advantage
+    if workflow.advantages == () and advantage is not None:
+        problems.append(f"algorithm.advantage={advantage!r}: workflow {workflow.ref!r} computes no advantages, "
+                        "so the key would have no effect; remove it")
+    elif workflow.advantages and advantage in advantages.names() and advantage not in workflow.advantages:
+        problems.append(f"algorithm.advantage={advantage!r} is not an estimator that workflow {workflow.ref!r} "
+                        f"implements; it accepts: {', '.join(workflow.advantages)} (default {workflow.advantages[0]})")
+    if cfg.placement.max_staleness > workflow.max_staleness:
+        problems.append(f"placement.max_staleness={cfg.placement.max_staleness}, but workflow {workflow.ref!r} "
+                        f"implements at most {workflow.max_staleness} (0: synchronous only)")
+    return problems
 
 
 def semantic_problems(cfg: RaygraphConfig) -> list[str]:
@@ -59,14 +76,11 @@ def _batch_split(cfg: RaygraphConfig) -> list[str]:
 
 def _groups(cfg: RaygraphConfig) -> list[str]:
     advantage, n = cfg.advantage_estimator, cfg.rollout.n
-    if advantage not in GROUP_ESTIMATORS or cfg.data.format != "rl":
+    if "group_ids" not in estimator_needs(advantage) or cfg.data.format != "rl":
         return []
     if n < 2:
         return [f"the {advantage!r} advantage estimator compares the samples of each prompt with each other, "
                 f"so rollout.n must be at least 2 (got {n})"]
-    if cfg.rollout.temperature == 0:
-        return [f"rollout.temperature=0 is greedy decoding: all rollout.n={n} samples of a prompt would be "
-                f"identical and every {advantage!r} advantage zero; use a temperature above 0"]
     return []
 
 
@@ -108,12 +122,8 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
                         f"placement.rollout_workers ({place.rollout_workers}) must equal "
                         f"placement.train_workers ({place.train_workers})")
     if cfg.rollout.engine == "vllm":
-        rollout_pool = (place.pools or {}).get(place.roles.get("rollout", ""))
-        gpus = rollout_pool.gpus_per_bundle if rollout_pool else place.gpus_per_worker
-        if gpus <= 0:
-            problems.append("rollout.engine='vllm' runs on GPUs only, but the rollout workers get no GPU; "
-                            "set placement.gpus_per_worker (or the rollout pool's gpus_per_bundle) above 0, "
-                            "or use rollout.engine=hf")
+        problems.append("rollout.engine=vllm: the vLLM rollout engine is not available in this version; "
+                        "use rollout.engine=hf")
     return problems
 
 
@@ -186,55 +196,25 @@ def _trainer(cfg: RaygraphConfig) -> list[str]:
 
 
 def registry_problems(cfg: RaygraphConfig) -> list[str]:
-    """Names that must exist in a registry; skipped for registries whose module is not present."""
-    checks = [  # (key, name, module, attribute listing the valid names (or returning them), what they are)
-        ("algorithm.advantage", cfg.algorithm.advantage, "raygraph.algos.advantages", "names",
-         "advantage estimator"),
-        ("actor.policy_loss", cfg.actor.policy_loss, "raygraph.algos.losses", "policy_loss_names",
-         "policy loss"),
-        ("actor.loss_agg", cfg.actor.loss_agg, "raygraph.algos.losses", "AGG_MODES", "loss aggregation"),
-        ("critic.loss_agg", cfg.critic.loss_agg, "raygraph.algos.losses", "AGG_MODES", "loss aggregation"),
-        ("actor.kl_loss_kind", cfg.actor.kl_loss_kind, "raygraph.algos.kl", "names", "KL estimator"),
-        ("algorithm.kl_in_reward.kind", cfg.algorithm.kl_in_reward.kind, "raygraph.algos.kl", "names",
-         "KL estimator"),
-        ("algorithm.dpo_loss", cfg.algorithm.dpo_loss, "raygraph.algos.dpo", "names", "DPO loss"),
+    """Names that must exist in a registry (the registries list their valid names)."""
+    checks = [  # (key, name, valid names, what they are)
+        ("actor.policy_loss", cfg.actor.policy_loss, losses.policy_loss_names(), "policy loss"),
+        ("actor.loss_agg", cfg.actor.loss_agg, losses.AGG_MODES, "loss aggregation"),
+        ("critic.loss_agg", cfg.critic.loss_agg, losses.AGG_MODES, "loss aggregation"),
+        ("actor.kl_loss_kind", cfg.actor.kl_loss_kind, kl.names(), "KL estimator"),
+        ("algorithm.kl_in_reward.kind", cfg.algorithm.kl_in_reward.kind, kl.names(), "KL estimator"),
+        ("algorithm.dpo_loss", cfg.algorithm.dpo_loss, dpo.names(), "DPO loss"),
     ]
+    if cfg.algorithm.advantage is not None:
+        checks.append(("algorithm.advantage", cfg.algorithm.advantage, advantages.names(), "advantage estimator"))
     if cfg.reward.function is not None:
-        checks.append(("reward.function", cfg.reward.function, "raygraph.rewards", "names", "reward function"))
+        checks.append(("reward.function", cfg.reward.function, rewards.names(), "reward function"))
     problems = []
-    for key, name, module, attribute, family in checks:
-        names = _registry_names(module, attribute)
-        if names is not None and name not in names:
+    for key, name, names, family in checks:
+        if name not in names:
             problems.append(f"{key}={name!r} is not a known {family}{_did_you_mean(name, names)}; "
                             f"valid names: {', '.join(sorted(names))}")
-    workflow_error = _workflow_problem(cfg.workflow)
-    if workflow_error:
-        problems.append(f"workflow: {workflow_error}")
     return problems
-
-
-def _registry_names(module: str, attribute: str) -> tuple[str, ...] | None:
-    """The names listed by `module.attribute` (a tuple, or a function returning one); None if absent."""
-    try:
-        imported = importlib.import_module(module)
-    except ImportError:
-        return None
-    # The DPO module's listing function is not part of a written contract yet: skip it if absent.
-    if module == "raygraph.algos.dpo" and not hasattr(imported, attribute):
-        return None
-    names = getattr(imported, attribute)
-    return tuple(names() if callable(names) else names)
-
-
-def _workflow_problem(ref: str) -> str | None:
-    try:
-        from raygraph.workflow_loader import check_workflow_ref, workflow_names
-    except ImportError:
-        return None
-    is_path = ref.endswith(".py") or ".py:" in ref
-    if not is_path and not workflow_names():
-        return None  # no workflow is shipped in this checkout yet: nothing to check against
-    return check_workflow_ref(ref)
 
 
 def _did_you_mean(name: str, valid) -> str:

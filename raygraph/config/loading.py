@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from raygraph.config.checks import config_problems
 from raygraph.config.schema import RaygraphConfig
 from raygraph.config.suggest import ANY_KEY, schema_tree, unknown_key_message
+from raygraph.config.workflow_ref import Workflow, WorkflowError, load_workflow
 
 __all__ = ["ConfigError", "load_config", "build_config", "apply_overrides", "to_yaml"]
 
@@ -97,12 +98,29 @@ def _build(data: dict, overrides: list[str], problems: list[str], source: str | 
         # any later problem that names a dropped key, since its value was not the user's.
         fallback, dropped = _validate_without_errors(data, exc)
         if fallback is not None:
-            problems += [p for p in config_problems(fallback) if not any(d in p for d in dropped)]
+            fallback, workflow, found = _with_workflow(fallback)
+            found += config_problems(fallback, workflow)
+            problems += [p for p in found if not any(d in p for d in dropped)]
     else:
-        problems += config_problems(cfg)
+        cfg, workflow, found = _with_workflow(cfg)
+        problems += found + config_problems(cfg, workflow)
     if problems:
         raise ConfigError(problems, source=source)
     return cfg
+
+
+def _with_workflow(cfg: RaygraphConfig) -> tuple[RaygraphConfig, Workflow | None, list[str]]:
+    """Import the config's workflow; fill `algorithm.advantage` with its default when unset."""
+    try:
+        workflow = load_workflow(cfg.workflow)
+    except WorkflowError as exc:
+        return cfg, None, [f"workflow: {exc}"]
+    except Exception as exc:  # noqa: BLE001 - user code: any import-time error is a config problem
+        return cfg, None, [f"workflow {cfg.workflow!r} fails to import: {type(exc).__name__}: {exc}"]
+    if cfg.algorithm.advantage is None and workflow.default_advantage is not None:
+        algorithm = cfg.algorithm.model_copy(update={"advantage": workflow.default_advantage})
+        cfg = cfg.model_copy(update={"algorithm": algorithm})
+    return cfg, workflow, []
 
 
 def _validate_without_errors(data: dict, exc: ValidationError) -> tuple[RaygraphConfig | None, set[str]]:

@@ -12,23 +12,26 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from raygraph.algos import advantages
+
 __all__ = [
     "RaygraphConfig", "ModelConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
     "ActorConfig", "CriticConfig", "ReferenceConfig", "RewardConfig", "RemoteRewardConfig",
     "AlgorithmConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
     "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
-    "ROLES", "GROUP_ESTIMATORS", "CRITIC_ESTIMATORS", "FIXED_ESTIMATORS",
+    "ROLES", "estimator_needs",
 ]
 
 # Role names used by `placement.roles` and by the cluster layer.
 ROLES = ("policy", "rollout", "reference", "critic", "reward")
-# Advantage estimators that compare the samples of one prompt (need rollout.n >= 2).
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
-# Advantage estimators that need a value model (the critic role).
-CRITIC_ESTIMATORS = frozenset({"gae"})
-# Shipped workflows whose file fixes the estimator (algorithm.advantage is not read); keep in
-# sync with workflows/. Other workflows use algorithm.advantage.
-FIXED_ESTIMATORS = {"ppo": "gae", "remax": "remax", "rloo": "rloo"}
+
+
+def estimator_needs(name: str | None) -> frozenset[str]:
+    """What advantage estimator `name` needs, as declared where it is registered
+    (`raygraph.algos.advantages.requires`); empty for None or an unknown name."""
+    if name is None or name not in advantages.names():
+        return frozenset()
+    return advantages.requires(name)
 Strategy = Literal["PACK", "SPREAD", "STRICT_SPREAD"]
 
 
@@ -91,12 +94,16 @@ class RolloutConfig(_Section):
                                                             "CPU or GPU) or vllm (GPU only).")
     n: int = Field(4, ge=1, description="Samples per prompt (the group size of GRPO-style estimators).")
     max_new_tokens: int = Field(16, description="Longest response in tokens.")
-    temperature: float = Field(1.0, description="Sampling temperature; 0 = greedy.")
+    temperature: float = Field(1.0, description="Sampling temperature (> 0; the policy's log-probs are "
+                                                "computed at the same temperature). Greedy decoding is "
+                                                "for validation: rollout.val_greedy.")
     top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1]; 1 = off.")
     top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens; 0 = off.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a response "
                                                                         "(eos always does).")
-    val_greedy: bool = Field(True, description="Validation decodes greedily with one sample per prompt.")
+    val_greedy: bool = Field(True, description="Validation decodes greedily (true) or samples at "
+                                               "rollout.temperature / top_p / top_k (false); one sample "
+                                               "per prompt either way.")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="vLLM: fraction of GPU memory for "
                                                                        "weights + KV cache.")
     micro_batch_size: int = Field(64, ge=1, description="hf engine: prompts per generate() call on one worker.")
@@ -111,8 +118,9 @@ class RolloutConfig(_Section):
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError("must be >= 0 (0 means greedy decoding)")
+        if value <= 0:
+            raise ValueError("must be > 0: training samples from softmax(logits / temperature) and the "
+                             "policy recomputes log-probs at it (greedy validation: rollout.val_greedy=true)")
         return value
 
     @field_validator("top_p")
@@ -218,8 +226,10 @@ class KLInRewardConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage: str = Field("grpo", description="Advantage estimator by registry name "
-                                               "(raygraph.algos.advantages).")
+    advantage: str | None = Field(None, description="Advantage estimator by registry name "
+                                                      "(raygraph.algos.advantages), one of those the workflow "
+                                                      "accepts (its ADVANTAGES); null = the workflow's default. "
+                                                      "Workflows without advantages (sft, dpo) reject a value.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     norm_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
@@ -304,13 +314,14 @@ class LoggingConfig(_Section):
     mlflow: bool = Field(True, description="Log params and metrics to MLflow.")
     console: Literal["auto", "bar", "lines"] = Field("auto", description="Progress bar, one line per "
                                                                          "step, or auto (bar on a TTY).")
-    log_every: int = Field(1, ge=1, description="Print and log metrics every N steps.")
+    log_every: int = Field(1, ge=1, description="Print the console line and send metrics to MLflow and Ray "
+                                                "every N steps (and at validation steps and the last "
+                                                "step); metrics.jsonl always has every step.")
 
 
 class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
     save_hf: bool = Field(True, description="Also save the policy as a HF model (save_pretrained).")
-    save_optimizer: bool = Field(True, description="Save optimizer state (needed for exact resume).")
 
 
 class RaygraphConfig(_Section):
@@ -341,14 +352,15 @@ class RaygraphConfig(_Section):
         return self.data.prompts_per_step * self.rollout.n
 
     @property
-    def advantage_estimator(self) -> str:
-        """The estimator in effect: fixed by some shipped workflows, else algorithm.advantage."""
-        return FIXED_ESTIMATORS.get(self.workflow, self.algorithm.advantage)
+    def advantage_estimator(self) -> str | None:
+        """algorithm.advantage; the config loader sets it to the workflow's default when unset,
+        and it stays None for a workflow that computes no advantages (sft, dpo)."""
+        return self.algorithm.advantage
 
     @property
     def uses_critic(self) -> bool:
-        """True when the advantage estimator needs a value model."""
-        return self.advantage_estimator in CRITIC_ESTIMATORS
+        """True when the advantage estimator needs a value model (declared with the estimator)."""
+        return "values" in estimator_needs(self.advantage_estimator)
 
     @property
     def uses_kl(self) -> bool:

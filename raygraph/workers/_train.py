@@ -4,10 +4,11 @@ The one subtle part is loss scaling. A mini-batch is cut into micro-batches (gra
 accumulation) on each of `world` data-parallel ranks, and the result must equal one backward
 pass over the whole mini-batch. Each micro-batch computes its loss with the configured
 aggregation (`token-mean`, `seq-mean-*`, `token-sum`), i.e. normalised by its *own* token (or
-sequence) count n_i. Multiplying it by `n_i / N` (N = that count over all micro-batches of all
-ranks, from one all-reduce) turns the sum of micro-batch losses into the mini-batch loss; the
-extra factor `world` undoes FSDP's averaging of gradients over ranks. `token-sum` needs no
-normalisation (weight 1).
+sequence) count n_i (`raygraph.algos.losses.normaliser`, declared with the aggregation modes).
+Multiplying it by `n_i / N` (N = that count over all micro-batches of all ranks, from one
+all-reduce) turns the sum of micro-batch losses into the mini-batch loss; the extra factor
+`world` undoes FSDP's averaging of gradients over ranks. `token-sum` needs no normalisation
+(weight 1).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from raygraph.algos import losses
 from raygraph.batch import Batch
 from raygraph.workers.distributed import all_reduce, full_tensor, lockstep, rank, world_size
 
@@ -121,15 +123,6 @@ class MicroResult:
     token_stats: dict[str, torch.Tensor]
 
 
-def _agg_weight(mode: str, mask: torch.Tensor) -> float:
-    """The count a micro-batch's aggregated loss is normalised by (see module docstring)."""
-    if mode == "token-mean":
-        return float(mask.sum())
-    if mode.startswith("seq-mean"):
-        return float((mask.sum(-1) > 0).sum())
-    return 0.0  # token-sum: no normalisation
-
-
 def run_minibatches(
     batch: Batch,
     *,
@@ -166,15 +159,15 @@ def run_minibatches(
             micros = lockstep(mini.split(micro_batch_size) if len(mini) else [],
                               lambda: batch.select(slice(0, 1)))
             masks = [m[mask_key] for m, is_dummy in micros if not is_dummy]
-            totals = all_reduce(torch.tensor([sum(_agg_weight(loss_agg, m) for m in masks),
+            totals = all_reduce(torch.tensor([sum(losses.normaliser(loss_agg, m) or 0.0 for m in masks),
                                               sum(float(m.sum()) for m in masks)], dtype=torch.float64))
             values: dict[str, torch.Tensor] = {}
             loss_finite = True
             for micro, is_dummy in micros:
                 result = loss_fn(micro)
                 mask = micro[mask_key]
-                weight = 0.0 if is_dummy else (
-                    _agg_weight(loss_agg, mask) / max(float(totals[0]), 1e-8) if loss_agg != "token-sum" else 1.0)
+                count = losses.normaliser(loss_agg, mask)
+                weight = 0.0 if is_dummy else (1.0 if count is None else count / max(float(totals[0]), 1e-8))
                 token_weight = 0.0 if is_dummy else float(mask.sum()) / max(float(totals[1]), 1e-8)
                 (result.loss * (weight * world)).backward()
                 loss_finite = loss_finite and (is_dummy or bool(torch.isfinite(result.loss.detach())))

@@ -8,18 +8,17 @@ are as in `raygraph.workers.policy`.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 
 from raygraph.algos import losses
 from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, RETURNS, VALUES, Batch
-from raygraph.models.loading import resolve_dtype
 from raygraph.models.logprobs import sequence_inputs
 from raygraph.models.value_head import ValueModel
 from raygraph.workers import _train
-from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed, lockstep, rank
+from raygraph.workers.distributed import lockstep, rank
+from raygraph.workers.trained_model import TrainedModel
 
 __all__ = ["CriticWorker"]
 
@@ -43,25 +42,15 @@ class CriticWorker:
         if loss_agg not in losses.AGG_MODES:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
         torch.manual_seed(seed)
-        self.device = default_device(device)
-        self.compute_dtype = resolve_dtype(dtype)
         model = ValueModel.from_pretrained(model_path, dtype="float32", attn_impl=attn_impl,
-                                           gradient_checkpointing=gradient_checkpointing, seed=seed).to(self.device)
-        low_precision = self.compute_dtype != torch.float32
-        if is_distributed():
-            model = fsdp_wrap(model, param_dtype=self.compute_dtype if low_precision else None)
-        self._autocast = low_precision and not is_distributed()
-        self.model = model
-        self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
-        self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
-                                                lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
-        self.grad_clip, self.value_clip, self.loss_agg = grad_clip, value_clip, loss_agg
-        self.ppo_epochs, self.mini_batch_size, self.micro_batch_size = ppo_epochs, mini_batch_size, micro_batch_size
-
-    def _compute_ctx(self):
-        if self._autocast:
-            return torch.autocast(self.device.type, dtype=self.compute_dtype)
-        return contextlib.nullcontext()
+                                           gradient_checkpointing=gradient_checkpointing, seed=seed)
+        self.trained = TrainedModel(
+            model, dtype=dtype, device=device, lr=lr, weight_decay=weight_decay, betas=betas,
+            warmup_steps=warmup_steps, total_steps=total_steps, lr_schedule=lr_schedule,
+            min_lr_ratio=min_lr_ratio, grad_clip=grad_clip, ppo_epochs=ppo_epochs,
+            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size)
+        self.model, self.device = self.trained.model, self.trained.device
+        self.value_clip, self.loss_agg, self.micro_batch_size = value_clip, loss_agg, micro_batch_size
 
     def _forward(self, micro: Batch) -> torch.Tensor:
         """`(b, R)` float32 values, 0 on padded response positions."""
@@ -70,7 +59,7 @@ class CriticWorker:
         input_ids, attention_mask, position_ids = sequence_inputs(
             prompt_ids, micro[PROMPT_MASK].to(self.device), responses, response_mask)
         P, R = prompt_ids.shape[1], responses.shape[1]
-        with self._compute_ctx():
+        with self.trained.compute():
             values = self.model(input_ids, attention_mask, position_ids)[:, P - 1:P - 1 + R]
         return values * response_mask
 
@@ -102,21 +91,18 @@ class CriticWorker:
         missing = [c for c in needed if c not in batch]
         if missing:
             raise KeyError(f"CriticWorker.update needs columns {missing}; the batch has {batch.columns()}")
-        self.model.train()
-        metrics = _train.run_minibatches(
-            batch.select_columns(needed), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            loss_fn=self._value_loss, mask_key=RESPONSE_MASK, loss_agg=self.loss_agg, epochs=self.ppo_epochs,
-            mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
+        metrics = self.trained.train(batch.select_columns(needed), self._value_loss, mask_key=RESPONSE_MASK,
+                                     loss_agg=self.loss_agg)
         return {f"critic/{k}": v for k, v in metrics.items()}
 
     def state_dict_for_checkpoint(self) -> dict:
-        return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
+        return self.trained.state_dict()
 
     def save_checkpoint(self, path: str | Path) -> None:
-        _train.save_train_state(path, self.model, self.optimizer, self.scheduler)
+        self.trained.save(path)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        _train.load_train_state(path, self.model, self.optimizer, self.scheduler)
+        self.trained.load(path)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Body in HF format + `value_head.safetensors` (rank 0 writes; all ranks must call)."""

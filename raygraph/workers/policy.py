@@ -16,7 +16,6 @@ advances once per optimizer step (`warmup_steps`, `total_steps` count optimizer 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +41,8 @@ from raygraph.batch import (
 from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
 from raygraph.workers import _train
-from raygraph.workers.distributed import all_reduce, default_device, fsdp_wrap, is_distributed, lockstep, rank
+from raygraph.workers.distributed import all_reduce, lockstep, rank
+from raygraph.workers.trained_model import TrainedModel
 
 __all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]
 
@@ -78,23 +78,18 @@ class PolicyWorker:
         if kl_loss_kind not in kl.names():
             raise ValueError(f"unknown kl_loss_kind {kl_loss_kind!r}; valid: {', '.join(kl.names())}")
         torch.manual_seed(seed)
-        self.device = default_device(device)
-        self.compute_dtype = resolve_dtype(dtype)
         self.tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path, dtype="float32", attn_impl=attn_impl,
-                               gradient_checkpointing=gradient_checkpointing).to(self.device)
-        low_precision = self.compute_dtype != torch.float32
-        if is_distributed():
-            model = fsdp_wrap(model, param_dtype=self.compute_dtype if low_precision else None)
-        self._autocast = low_precision and not is_distributed()
-        self.model = model
-        self.packed = use_packed(model, None)
+                               gradient_checkpointing=gradient_checkpointing)
+        self.trained = TrainedModel(
+            model, dtype=dtype, device=device, lr=lr, weight_decay=weight_decay, betas=betas,
+            warmup_steps=warmup_steps, total_steps=total_steps, lr_schedule=lr_schedule,
+            min_lr_ratio=min_lr_ratio, grad_clip=grad_clip, ppo_epochs=ppo_epochs,
+            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size)
+        self.model, self.device = self.trained.model, self.trained.device
+        self.packed = use_packed(self.model, None)
         self._warm_start_optim = None  # (lr, optimizer, scheduler) of an SFT warm-start stage
-        self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
-        self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
-                                                lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
-        self.grad_clip, self.ppo_epochs = grad_clip, ppo_epochs
-        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+        self.ppo_epochs, self.mini_batch_size, self.micro_batch_size = ppo_epochs, mini_batch_size, micro_batch_size
         self.policy_loss, self.loss_agg = policy_loss, loss_agg
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.entropy_coef, self.kl_loss_coef, self.kl_loss_kind = entropy_coef, kl_loss_coef, kl_loss_kind
@@ -103,11 +98,6 @@ class PolicyWorker:
         self.temperature = temperature
 
     # ------------------------------------------------------------------------------ inference
-    def _compute_ctx(self):
-        if self._autocast:
-            return torch.autocast(self.device.type, dtype=self.compute_dtype)
-        return contextlib.nullcontext()
-
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> Batch:
         """`Batch[old_logprobs (B, R), entropy (B, R)]` under the current weights (float32, CPU)."""
@@ -115,7 +105,7 @@ class PolicyWorker:
         columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
         logprobs, entropy = [], []
         for micro, is_dummy in lockstep(columns.split(self.micro_batch_size), lambda: columns.select(slice(0, 1))):
-            with self._compute_ctx():
+            with self.trained.compute():
                 lp, ent = forward_response(self.model, micro, temperature=self.temperature, with_entropy=True,
                                            packed=self.packed)
             if not is_dummy:
@@ -126,7 +116,7 @@ class PolicyWorker:
     # ------------------------------------------------------------------------------ training
     def _ppo_loss(self, micro: Batch) -> _train.MicroResult:
         mask = micro[RESPONSE_MASK].to(self.device)
-        with self._compute_ctx():
+        with self.trained.compute():
             logprobs, entropy = forward_response(
                 self.model, micro, temperature=self.temperature, with_entropy=True,
                 entropy_grad=self.entropy_coef != 0.0, packed=self.packed)
@@ -204,12 +194,8 @@ class PolicyWorker:
 
     def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,
              defaults: dict[str, float], optimizer=None, scheduler=None) -> dict[str, float]:
-        self.model.train()
-        metrics = _train.run_minibatches(
-            batch, model=self.model, optimizer=optimizer or self.optimizer, scheduler=scheduler or self.scheduler,
-            loss_fn=loss_fn,
-            mask_key=mask_key, loss_agg=agg, epochs=epochs, mini_batch_size=self.mini_batch_size,
-            micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
+        metrics = self.trained.train(batch, loss_fn, mask_key=mask_key, loss_agg=agg, epochs=epochs,
+                                     optimizer=optimizer, scheduler=scheduler)
         if metrics["skipped_steps"]:
             log.warning("policy: skipped %d optimizer step(s) with a non-finite loss or gradient norm",
                         metrics["skipped_steps"])
@@ -218,7 +204,7 @@ class PolicyWorker:
     def _sft_loss(self, micro: Batch) -> _train.MicroResult:
         input_ids, attention_mask = micro[INPUT_IDS].to(self.device), micro[ATTENTION_MASK].to(self.device)
         mask = micro[_SFT_TARGETS].to(self.device)  # (B, T - 1)
-        with self._compute_ctx():
+        with self.trained.compute():
             logprobs = token_logprobs_of_sequence(self.model, input_ids, attention_mask)
         nll = losses.aggregate(-logprobs, mask, "token-mean")
         return _train.MicroResult(loss=nll, loss_terms={"sft_loss": nll.detach()}, token_stats={})
@@ -244,7 +230,7 @@ class PolicyWorker:
 
     def _dpo_loss(self, micro: Batch, beta: float, kind: str) -> _train.MicroResult:
         mask = micro[RESPONSE_MASK].to(self.device)
-        with self._compute_ctx():
+        with self.trained.compute():
             logprobs, _ = forward_response(self.model, micro, packed=self.packed)
         seq = logprobs.sum(-1)  # (2b,): rows alternate chosen, rejected
         ref = (micro[REF_LOGPROBS].to(self.device) * mask).sum(-1)
@@ -286,14 +272,14 @@ class PolicyWorker:
 
     def state_dict_for_checkpoint(self) -> dict:
         """`{"model", "optimizer", "scheduler", "rng"}`; model/optimizer sharded under FSDP2."""
-        return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
+        return self.trained.state_dict()
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Model, optimizer, scheduler and RNG state (all ranks call; sharded under FSDP2)."""
-        _train.save_train_state(path, self.model, self.optimizer, self.scheduler)
+        self.trained.save(path)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        _train.load_train_state(path, self.model, self.optimizer, self.scheduler)
+        self.trained.load(path)
 
     def save_pretrained(self, path: str | Path) -> None:
         """HF `save_pretrained` format + tokenizer, written by rank 0 (all ranks must call)."""

@@ -230,7 +230,7 @@ class HFRolloutWorker:
         Args:
             batch: this rank's share of the current step's prompts; the driver put the next step's
                 shares in `batch.meta[NEXT_PROMPTS]` as `{uids of a share now: the same rank's
-                share next step}` (see `raygraph.step_io.StepData.next_prompts`).
+                share next step}` (see `raygraph.run.feed.StepData.next_prompts`).
 
         Returns:
             `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).

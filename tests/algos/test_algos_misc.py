@@ -135,7 +135,7 @@ def test_masked_helpers():
 
 def test_package_is_pure_torch():
     # no Ray, no config objects: the algos package imports only torch, stdlib and itself
-    allowed = {"torch", "raygraph", "__future__", "collections", "typing", "math"}
+    allowed = {"torch", "raygraph", "__future__", "collections", "dataclasses", "typing", "math"}
     for path in Path(raygraph.algos.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

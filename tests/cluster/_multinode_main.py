@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _dummies as d  # noqa: E402
 
 from raygraph.cluster import PoolSpec, RoleSpec, build_roles  # noqa: E402
-from raygraph.dag import Executor, InputNode, MultiOutputNode  # noqa: E402
+from raygraph.graph import GraphBuilder, InputNode, MultiOutputNode
+from raygraph.graph.executor import Executor  # noqa: E402
 
 
 def main() -> None:
@@ -35,16 +36,17 @@ def main() -> None:
     try:
         with build_roles("multinode/run", pools, specs, mode="disaggregated", placement_timeout_s=60,
                          weight_sync_timeout_s=30, bucket_bytes=300) as roles:
-            first = roles.sync_weights_now()
+            first = roles.weights.sync_now()
+            g = GraphBuilder.of(roles)
             with InputNode() as prompts:
-                rollouts = roles.rollout.bind("generate", prompts)
-                batch = roles.apply(d.advantages, roles.gather(rollouts, roles.reward.bind("score", rollouts)))
-                metrics = roles.policy.bind("update", batch)
-                dag = MultiOutputNode([roles.gather(metrics), roles.sync_weights(after=metrics),
-                                       roles.apply(d.digest, batch)])
+                rollouts = g.rollout.bind("generate", prompts)
+                batch = g.apply(d.advantages, g.gather(rollouts, g.reward.bind("score", rollouts)))
+                metrics = g.policy.bind("update", batch)
+                dag = MultiOutputNode([g.gather(metrics), g.sync_weights(after=metrics),
+                                       g.apply(d.digest, batch)])
             runs = {}
             for mode in ("interpreted", "compiled"):   # one step each; the second sees the first's update
-                executor = Executor(dag, mode=mode)
+                executor = Executor(dag, roles, mode=mode)
                 try:
                     runs[mode] = executor.run(d.prompts(4, per_group=2))
                 finally:

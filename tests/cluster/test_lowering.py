@@ -1,4 +1,4 @@
-"""Pure parts of the runtime (no Ray actors): DAG lowering, gather/scatter, bucket packing."""
+"""Pure parts of the runtime (no Ray actors): graph building and lowering, gather/scatter, bucket packing."""
 
 from __future__ import annotations
 
@@ -6,81 +6,86 @@ import pytest
 import torch
 
 from raygraph.batch import PROMPT_IDS, UID, Batch
-from raygraph.cluster import steps as S
+from raygraph.cluster import tasks
 from raygraph.cluster.weights import InProcessTransport, bucket_checksum, pack_bucket, unpack_bucket
-from raygraph.dag import InputNode, MultiOutputNode, lower
+from raygraph.graph import GraphBuilder, GraphBuildError, InputNode, MultiOutputNode
+from raygraph.graph.lowering import lower
 
 
-class _FakeActor:
-    def __init__(self, name):
-        self.name = name
-        self._actor_id = type("Id", (), {"hex": lambda _self: name})()
+class _Worker:
+    """What the lowering tests' graphs call."""
 
+    def generate(self, batch, greedy=False): ...
 
-class _FakeRoles:
-    """Just enough of `Roles` for lowering: groups with fake actors, and a coordinator."""
+    def logprobs(self, batch): ...
 
-    run_name = "fake"
-
-    def __init__(self, worlds):
-        from raygraph.cluster.errors import CallSite
-        from raygraph.cluster.roles import RoleGroup
-
-        self.coordinator = _FakeActor("coordinator")
-        self.groups = {role: RoleGroup(role, self, [_FakeActor(f"{role}/{r}") for r in range(w)],
-                                       [CallSite(role, r) for r in range(w)]) for role, w in worlds.items()}
-
-    def __getattr__(self, name):
-        return self.__dict__["groups"][name]
-
-    def gather(self, *nodes):
-        from raygraph.dag import GatherNode
-
-        return GatherNode(self, nodes)
+    def score(self, batch): ...
 
 
 def summarise(batch):
     return {}
 
 
-def test_lowering_splits_once_passes_rank_wise_and_resplits_on_mismatch():
-    roles = _FakeRoles({"rollout": 2, "policy": 2, "reward": 1})
+def _layout(worlds):
+    return {role: (_Worker, [f"{role}/{r}" for r in range(w)]) for role, w in worlds.items()}
+
+
+def test_lowering_splits_once_passes_rank_wise_and_resplits_on_mismatch(fake_roles):
+    roles = fake_roles(_layout({"rollout": 2, "policy": 2, "reward": 1}))
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts, greedy=True)
-        old = roles.policy.bind("logprobs", rollouts)          # same world: rank-wise, no coordinator step
-        scores = roles.reward.bind("score", rollouts)          # 2 -> 1: one re-split on the coordinator
-        dag = MultiOutputNode([roles.gather(rollouts, old, scores)])
-    plan = lower(dag)
-    ops = [(op.actor.name, op.step.label) for op in plan.ops]
+        rollouts = g.rollout.bind("generate", prompts, greedy=True)
+        old = g.policy.bind("logprobs", rollouts)          # same world: rank-wise, no coordinator task
+        scores = g.reward.bind("score", rollouts)          # 2 -> 1: one re-split on the coordinator
+        dag = MultiOutputNode([g.gather(rollouts, old, scores)])
+    plan = lower(dag, roles)
+    ops = [(op.actor.name, op.task.label) for op in plan.ops]
     assert ops == [("coordinator", "scatter"), ("rollout/0", "rollout.generate"), ("rollout/1", "rollout.generate"),
                    ("policy/0", "policy.logprobs"), ("policy/1", "policy.logprobs"),
                    ("coordinator", "scatter"), ("reward/0", "reward.score"), ("coordinator", "gather")]
     gen0, logp1 = plan.ops[1], plan.ops[4]
-    assert gen0.step.kwargs == {"greedy": S.Arg(const=True)} and gen0.inputs == [(0, 0)]
+    assert gen0.task.kwargs == {"greedy": tasks.Arg(const=True)} and gen0.inputs == [(0, 0)]
     assert logp1.inputs == [(2, 0)]                             # rank 1's rollout shard, by reference
-    assert plan.ops[7].step.groups == (2, 2, 1) and plan.outputs == [(7, 0)]
+    assert plan.ops[7].task.groups == (2, 2, 1) and plan.outputs == [(7, 0)]
 
 
-def test_apply_rejects_lambdas_and_dag_must_use_its_input():
-    from raygraph.dag import ApplyNode
-
-    roles = _FakeRoles({"rollout": 1})
+def test_apply_rejects_lambdas_and_dag_must_use_its_input(fake_roles):
+    roles = fake_roles(_layout({"rollout": 1}))
+    g = GraphBuilder.of(roles)
     with pytest.raises(TypeError, match="module-level"):
-        ApplyNode(roles, lambda b: b, (), {})
+        g.apply(lambda b: b)
     with pytest.raises(ValueError, match="InputNode"):
-        lower(MultiOutputNode([roles.gather(roles.rollout.bind("generate", 3))]))
+        lower(MultiOutputNode([g.gather(g.rollout.bind("generate", 3))]), roles)
+
+
+def test_method_names_are_checked_when_the_graph_is_built():
+    g = GraphBuilder({"policy": _Worker, "rollout": _Worker})
+    with pytest.raises(GraphBuildError, match=r"role 'policy' \(_Worker\) has no method 'updat'; "
+                                              r"valid methods: generate, logprobs, score"):
+        g.policy.bind("updat", None)
+    with pytest.raises(GraphBuildError, match=r"no role 'critic'; roles are \['policy', 'rollout'\]"):
+        g.critic.bind("values", None)
+    with pytest.raises(GraphBuildError, match="no method 'weight_buckets'"):
+        g.sync_weights()                                     # _Worker cannot send weights
+
+
+def test_lowering_refuses_a_role_the_run_did_not_start(fake_roles):
+    with InputNode() as prompts:
+        dag = MultiOutputNode([GraphBuilder({"critic": _Worker}).critic.bind("score", prompts)])
+    with pytest.raises(GraphBuildError, match="role 'critic', which this run did not start"):
+        lower(dag, fake_roles(_layout({"rollout": 1})))
 
 
 def test_gather_concatenates_shards_unions_inputs_and_averages_metrics():
     a = Batch({PROMPT_IDS: torch.arange(4).reshape(2, 2)}, {UID: ["a", "a"]})
     b = Batch({PROMPT_IDS: torch.arange(4, 8).reshape(2, 2)}, {UID: ["b", "b"]})
     scores = Batch({"score": torch.tensor([1.0, 2.0, 3.0, 4.0])})
-    whole = S.gather([a, b, scores], groups=(2, 1))
+    whole = tasks.gather([a, b, scores], groups=(2, 1))
     assert whole[PROMPT_IDS].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]] and whole["score"].tolist() == [1, 2, 3, 4]
-    assert S.gather([{"x": 1.0, "s": "r0"}, {"x": 3.0, "s": "r1"}], groups=(2,)) == {"x": 2.0, "s": "r0"}
-    parts = S.scatter(S.merge_shards([a, b]), 2)
+    assert tasks.gather([{"x": 1.0, "s": "r0"}, {"x": 3.0, "s": "r1"}], groups=(2,)) == {"x": 2.0, "s": "r0"}
+    parts = tasks.scatter(tasks.merge_shards([a, b]), 2)
     assert [list(p[UID]) for p in parts] == [["a", "a"], ["b", "b"]]
-    assert S.scatter({"k": 1}, 3) == [{"k": 1}] * 3
+    assert tasks.scatter({"k": 1}, 3) == [{"k": 1}] * 3
 
 
 def test_pack_unpack_roundtrip_and_checksum_sees_one_flipped_bit():

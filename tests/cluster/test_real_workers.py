@@ -10,7 +10,8 @@ pytest.importorskip("raygraph.workers.policy")
 pytest.importorskip("raygraph.workers.rollout_hf")
 
 from raygraph.cluster import PoolSpec, RoleSpec, build_roles  # noqa: E402
-from raygraph.dag import Executor, InputNode, MultiOutputNode  # noqa: E402
+from raygraph.graph import GraphBuilder, InputNode, MultiOutputNode
+from raygraph.graph.executor import Executor  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +41,21 @@ def layouts(real, tiny_model_path):
 
 
 def _step(roles, real):
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts)
-        old = roles.policy.bind("logprobs", rollouts)
-        batch = roles.apply(real.signed_advantages, roles.gather(rollouts, old))
-        metrics = roles.policy.bind("update", batch)
-        return MultiOutputNode([roles.gather(metrics), roles.sync_weights(after=metrics),
-                                roles.apply(real.digest, batch)])
+        rollouts = g.rollout.bind("generate", prompts)
+        old = g.policy.bind("logprobs", rollouts)
+        batch = g.apply(real.signed_advantages, g.gather(rollouts, old))
+        metrics = g.policy.bind("update", batch)
+        return MultiOutputNode([g.gather(metrics), g.sync_weights(after=metrics),
+                                g.apply(real.digest, batch)])
 
 
 def test_layouts_agree_and_sync_is_bit_exact(layouts, real, tiny_model_path):
     prompts = real.prompts(tiny_model_path)
     seen = {}
     for mode, roles in layouts.items():
-        executor = Executor(_step(roles, real))
+        executor = Executor(_step(roles, real), roles)
         assert executor.plan.fused == (mode == "colocated")   # one rank, one actor: one task per step
         metrics, sync, digest = executor.run(prompts)
         _, sync2, digest2 = executor.run(prompts)

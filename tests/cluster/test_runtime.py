@@ -12,7 +12,8 @@ import ray
 import torch
 
 from raygraph.cluster import PlacementError, PoolSpec, RoleError, RoleSpec, build_roles
-from raygraph.dag import Executor, InputNode, MultiOutputNode
+from raygraph.graph import GraphBuilder, InputNode, MultiOutputNode
+from raygraph.graph.executor import Executor
 
 
 def _specs(d, policy_world=2, rollout_world=2):
@@ -38,21 +39,23 @@ def layouts(dummies):
 
 def _rl_step(roles, d):
     """The shape of a GRPO step: generate -> score + logprobs -> gather -> apply -> update -> sync."""
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts)
-        scores = roles.reward.bind("score", rollouts)           # world 1 <- world 2: re-split
-        old = roles.policy.bind("logprobs", rollouts)
-        batch = roles.apply(d.advantages, roles.gather(rollouts, scores, old), gamma=1.0)
-        metrics = roles.policy.bind("update", batch)
-        sync = roles.sync_weights(after=metrics)
-        return MultiOutputNode([roles.gather(metrics), sync, roles.apply(d.digest, batch)])
+        rollouts = g.rollout.bind("generate", prompts)
+        scores = g.reward.bind("score", rollouts)           # world 1 <- world 2: re-split
+        old = g.policy.bind("logprobs", rollouts)
+        batch = g.apply(d.advantages, g.gather(rollouts, scores, old), gamma=1.0)
+        metrics = g.policy.bind("update", batch)
+        sync = g.sync_weights(after=metrics)
+        return MultiOutputNode([g.gather(metrics), sync, g.apply(d.digest, batch)])
 
 
 def _probe(roles, d, **generate_kwargs):
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts, **generate_kwargs)
-        batch = roles.gather(rollouts, roles.reward.bind("score", rollouts), roles.policy.bind("logprobs", rollouts))
-        return MultiOutputNode([roles.apply(d.digest, batch), roles.apply(d.summarise, batch)])
+        rollouts = g.rollout.bind("generate", prompts, **generate_kwargs)
+        batch = g.gather(rollouts, g.reward.bind("score", rollouts), g.policy.bind("logprobs", rollouts))
+        return MultiOutputNode([g.apply(d.digest, batch), g.apply(d.summarise, batch)])
 
 
 def test_names_ranks_and_process_groups(layouts, dummies):
@@ -74,9 +77,9 @@ def test_layouts_identical_and_sync_bit_exact(layouts, dummies):
     rank holds the policy's weights bit for bit and the next batch carries the new version."""
     results = {}
     for mode, roles in layouts.items():
-        first = roles.sync_weights_now()
+        first = roles.weights.sync_now()
         assert first["weights/verified"] == 1.0
-        executor = Executor(_rl_step(roles, dummies))
+        executor = Executor(_rl_step(roles, dummies), roles)
         metrics, sync, digest = executor.run(dummies.prompts(4, per_group=2))
         _, sync2, digest2 = executor.run(dummies.prompts(4, per_group=2))
         assert sync["weights/verified"] == sync2["weights/verified"] == 1.0
@@ -94,17 +97,17 @@ def test_layouts_identical_and_sync_bit_exact(layouts, dummies):
 
 def test_compiled_equals_interpreted(layouts, dummies):
     for roles in layouts.values():
-        roles.sync_weights_now()
+        roles.weights.sync_now()
         dag = _probe(roles, dummies, greedy=True)
         big = dummies.prompts(64, per_group=4, width=256)
         outs = {}
         for mode in ("interpreted", "compiled"):
-            executor = Executor(dag, mode=mode)
+            executor = Executor(dag, roles, mode=mode)
             try:
                 outs[mode] = executor.run(big)
                 if mode == "compiled":   # Ray allows one live compiled graph per actor: say so clearly
                     with pytest.raises(RuntimeError, match="already belong to a live compiled graph"):
-                        Executor(dag, mode="compiled")
+                        Executor(dag, roles, mode="compiled")
                 # the batch never reaches the driver: only the small outputs come back
                 assert executor.last_driver_bytes < 20_000 < big.nbytes() < executor.last_input_bytes
             finally:
@@ -118,13 +121,13 @@ def test_corrupted_bucket_is_detected_not_loaded(layouts, dummies):
     for mode, roles in layouts.items():
         before = roles.rollout.call("state")
         with pytest.raises(RoleError, match="failed verification.*NOT loaded") as info:
-            roles.sync_weights_now(corrupt_bucket=1)
+            roles.weights.sync_now(corrupt_bucket=1)
         assert info.value.role == "rollout", mode
         after = roles.rollout.call("state")
         assert all(torch.equal(a["layer.w"], b["layer.w"]) for a, b in zip(before, after))  # bucket 1
-        report = roles.sync_weights_now(corrupt_bucket=0, strict=False)
+        report = roles.weights.sync_now(corrupt_bucket=0, strict=False)
         assert report["weights/verified"] == 0.0
-        assert roles.sync_weights_now()["weights/verified"] == 1.0   # the group is still in step
+        assert roles.weights.sync_now()["weights/verified"] == 1.0   # the group is still in step
 
 
 def test_worker_exception_names_role_rank_node(layouts):
@@ -164,9 +167,10 @@ def test_killed_actor_surfaces_within_seconds(dummies):
     pools = {"p": PoolSpec(bundles=2, cpus_per_bundle=0.5)}
     specs = {"policy": RoleSpec(dummies.Policy, {}, world_size=2, pool="p")}
     with build_roles("test-runtime/kill", pools, specs, mode="disaggregated") as roles:
+        g = GraphBuilder.of(roles)
         with InputNode() as prompts:
-            dag = MultiOutputNode([roles.gather(roles.policy.bind("hang", prompts, seconds=60))])
-        executor = Executor(dag)
+            dag = MultiOutputNode([g.gather(g.policy.bind("hang", prompts, seconds=60))])
+        executor = Executor(dag, roles)
         pid = roles.policy.call("pid")[1]
         threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
         start = time.monotonic()
@@ -186,7 +190,7 @@ def test_collective_member_missing_times_out_naming_it(dummies):
         roles.rollout.actors[1].call.remote("rollout", "sleep", 8)   # rank 1 never joins in time
         start = time.monotonic()
         with pytest.raises(RoleError, match=r"rollout rank 1 .* did not arrive within 2s"):
-            roles.sync_weights_now()
+            roles.weights.sync_now()
         assert time.monotonic() - start < 8
 
 
@@ -198,7 +202,7 @@ def test_unverified_weight_sync_reaches_the_transport(dummies):
              "rollout": RoleSpec(dummies.Rollout, {"seed": 1}, world_size=1, pool="p")}
     with build_roles("test-runtime/unverified", pools, specs, mode="disaggregated", bucket_bytes=300,
                      weight_sync_verify=False) as roles:
-        report = roles.sync_weights_now()
+        report = roles.weights.sync_now()
         assert report["weights/verified"] == 0.0 and report["weights/receivers"] == 1.0
         policy, rollout = roles.policy.call_rank0("state"), roles.rollout.call_rank0("state")
         assert all(torch.equal(policy[k], rollout[k]) for k in policy)
@@ -225,17 +229,18 @@ def single_actor(dummies):
 def test_single_actor_plan_runs_as_one_task_with_identical_results(single_actor, dummies, layouts):
     roles = single_actor
     dag = _rl_step(roles, dummies)
-    fused, unfused = Executor(dag), Executor(dag, fuse=False)
+    fused, unfused = Executor(dag, roles), Executor(dag, roles, fuse=False)
     assert fused.plan.fused and len(fused.plan.ops) == 1 and not unfused.plan.fused
     assert len(unfused.plan.ops) > 8   # each node its own task (scatter, generate, score, ...)
     assert "rollout.generate" in fused.plan.describe() and "apply:advantages" in fused.plan.describe()
     # two ranks or two actors: plans stay as they are
-    assert not Executor(_rl_step(layouts["colocated"], dummies)).plan.fused
+    co = layouts["colocated"]
+    assert not Executor(_rl_step(co, dummies), co).plan.fused
     start = roles.policy.call_rank0("state")
     results = {}
     for name, executor in (("fused", fused), ("unfused", unfused)):
         roles.policy.call("load_state", start)   # same starting weights for both
-        roles.sync_weights_now()
+        roles.weights.sync_now()
         roles.take_stage_timings()
         results[name] = [executor.run(dummies.prompts(4, per_group=2)) for _ in range(2)]
         timings = roles.take_stage_timings()
@@ -251,24 +256,27 @@ def test_single_actor_plan_runs_as_one_task_with_identical_results(single_actor,
 
 def test_single_actor_plan_compiled_and_errors_name_the_role(single_actor, dummies):
     roles = single_actor
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts)
-        dag = MultiOutputNode([roles.apply(dummies.summarise, roles.gather(rollouts, roles.reward.bind("score", rollouts)))])
-    interpreted = Executor(dag).run(dummies.prompts(3))
-    compiled = Executor(dag, mode="compiled")
+        rollouts = g.rollout.bind("generate", prompts)
+        dag = MultiOutputNode([g.apply(dummies.summarise, g.gather(rollouts, g.reward.bind("score", rollouts)))])
+    interpreted = Executor(dag, roles).run(dummies.prompts(3))
+    compiled = Executor(dag, roles, mode="compiled")
     try:
         assert compiled.plan.fused and compiled.run(dummies.prompts(3)) == interpreted
     finally:
         compiled.teardown()
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        failing = MultiOutputNode([roles.gather(roles.policy.bind("fail", "fused-boom", batch=prompts))])
+        failing = MultiOutputNode([g.gather(g.policy.bind("fail", "fused-boom", batch=prompts))])
     with pytest.raises(RoleError, match="fused-boom") as info:
-        Executor(failing).run(dummies.prompts(1))
+        Executor(failing, roles).run(dummies.prompts(1))
     assert (info.value.role, info.value.rank, info.value.method) == ("policy", 0, "fail")
+    g = GraphBuilder.of(roles)
     with InputNode() as prompts:
-        bad_apply = MultiOutputNode([roles.apply(dummies.explode, roles.gather(roles.rollout.bind("generate", prompts)))])
+        bad_apply = MultiOutputNode([g.apply(dummies.explode, g.gather(g.rollout.bind("generate", prompts)))])
     with pytest.raises(RoleError, match="no such column") as info:
-        Executor(bad_apply).run(dummies.prompts(1))
+        Executor(bad_apply, roles).run(dummies.prompts(1))
     assert (info.value.role, info.value.method) == ("coordinator", "apply:explode")
     assert info.value.actor_name == "test-runtime/fused/policy+rollout+reward/0"
 
@@ -276,9 +284,10 @@ def test_single_actor_plan_compiled_and_errors_name_the_role(single_actor, dummi
 def test_compiled_step_longer_than_rays_get_timeout(layouts, dummies):
     """Ray's compiled-graph `get` gives up after RAY_CGRAPH_get_timeout (10 s) unless told to block."""
     roles = layouts["disaggregated"]
+    g = GraphBuilder.of(roles)
     with InputNode() as seconds:
-        dag = MultiOutputNode([roles.gather(roles.policy.bind("sleep", seconds))])
-    executor = Executor(dag, mode="compiled")
+        dag = MultiOutputNode([g.gather(g.policy.bind("sleep", seconds))])
+    executor = Executor(dag, roles, mode="compiled")
     try:
         executor._compiled._get_timeout = 0.5   # stands for the 10 s default, to keep the test short
         assert executor.run(1.5) == [[1.5, 1.5]]

@@ -21,7 +21,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import StateApiClient
 from ray.util.state.common import ListApiOptions, StateResource
 
-from raygraph import checkpoint
+from raygraph.run import checkpoint
 
 pytestmark = pytest.mark.slow
 

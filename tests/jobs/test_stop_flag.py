@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raygraph.trainer import _StopFlag
+from raygraph.run.trainer import _StopFlag
 
 
 def _busy(seconds: float) -> None:

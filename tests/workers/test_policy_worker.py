@@ -105,7 +105,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollo
     metrics = worker.update(batch.with_columns(**{ADVANTAGES: advantages}))
     assert metrics["actor/skipped_steps"] == 1
     assert all(torch.equal(before[k], v) for k, v in _weights(worker).items())
-    assert not worker.optimizer.state  # AdamW moments untouched too
+    assert not worker.trained.optimizer.state  # AdamW moments untouched too
 
 
 def test_checkpoint_round_trip_restores_model_optimizer_and_schedule(tiny_model_path, rollout_batch, tmp_path):

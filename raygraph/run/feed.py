@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from raygraph import steps
 from raygraph.batch import NEXT_PROMPTS, UID, Batch
-from raygraph.dag import InputNode, MultiOutputNode
-from raygraph.data import PromptDataset
+from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
+from raygraph.models.loading import load_tokenizer
 
-__all__ = ["StepData", "merge_outputs", "validation_dag"]
+__all__ = ["StepData", "merge_outputs"]
 
 
 def merge_outputs(outputs: Any) -> dict[str, float]:
@@ -32,14 +31,6 @@ def merge_outputs(outputs: Any) -> dict[str, float]:
     return merged
 
 
-def validation_dag(roles):
-    """Greedy decoding of the validation prompts, scored by the reward role: `val/*` metrics."""
-    with InputNode() as prompts:
-        rollouts = roles.rollout.bind("generate", prompts, greedy=True, n=1)
-        scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
-        return MultiOutputNode([roles.apply(steps.validation_metrics, scored)])
-
-
 @dataclass
 class StepData:
     """Training prompts with a resumable sampler, and the validation prompts as one batch."""
@@ -50,9 +41,6 @@ class StepData:
 
     @classmethod
     def load(cls, cfg, data_format: str = "rl") -> StepData:
-        from raygraph.data import ResumableSampler, load_offline_dataset
-        from raygraph.models.loading import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         d = cfg.data
 

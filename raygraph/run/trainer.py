@@ -1,8 +1,8 @@
-"""The training loop: build roles and the workflow DAG once, then execute it every step.
+"""The training loop: build the workflow's graph and the roles once, then run the graph every step.
 
-    run(cfg) ─► run dir + assets ─► Ray ─► roles ─► resume | warm start ─► DAG
-             ─► for each step: prompts → DAG → metrics → [validate] → [checkpoint]
-             ─► final checkpoint + summary
+    run(cfg) ─► run dir + assets ─► graph (names checked, no actor yet) ─► Ray ─► roles
+             ─► resume | warm start ─► for each step: prompts → graph → metrics → [validate]
+             → [checkpoint] ─► final checkpoint + summary
 
 Everything algorithm-specific lives in the workflow file; this loop never branches on it.
 """
@@ -17,12 +17,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from raygraph import checkpoint
+import ray
+
 from raygraph.algos.kl_control import make_kl_controller
-from raygraph.run_setup import RunContext, prepare_run, start_ray
-from raygraph.step_io import StepData, merge_outputs, validation_dag
-from raygraph.tracking import Tracker
-from raygraph.workflow_loader import load_workflow
+from raygraph.cluster import build_roles
+from raygraph.config.workflow_ref import load_workflow
+from raygraph.graph.executor import Executor
+from raygraph.run import checkpoint
+from raygraph.run.feed import StepData, merge_outputs
+from raygraph.run.graphs import build_graphs
+from raygraph.run.role_specs import colocation, pools_for, role_specs
+from raygraph.run.setup import RunContext, prepare_run, start_ray
+from raygraph.run.tracking import Tracker
+from raygraph.run.validation import run_validation
+from raygraph.run.warm_start import run_warm_start
 
 __all__ = ["run", "RunSummary"]
 
@@ -118,39 +126,20 @@ def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
     data.sampler.load_state_dict(state["sampler"])
     kl_ctl.load_state_dict(state["kl_controller"])
     version = int(state.get("weight_version", 0))
-    roles.sync_weights_now(version=version)
+    roles.weights.sync_now(version=version)
     print(f"[raygraph] resumed from {ckpt_dir} (step {state['step']})", flush=True)
     return int(state["step"]), version
 
 
-def _validate(ctx: RunContext, executor_cls, roles, data: StepData) -> dict[str, float]:
-    if data.val_prompts is None:
-        return {}
-    executor = executor_cls(validation_dag(roles), mode="interpreted")
-    try:
-        t0 = time.perf_counter()
-        metrics = merge_outputs(executor.run(data.val_prompts))
-        metrics["timing/validation_s"] = time.perf_counter() - t0
-        return metrics
-    finally:
-        executor.teardown()
-
-
 def run(cfg, address: str | None = None) -> RunSummary:
     """Train with `cfg` (a validated `RaygraphConfig`); returns where the run went and how it did."""
-    from raygraph.cluster import build_roles
-    from raygraph.dag import Executor
-    from raygraph.roles_from_config import colocation, pools_for, role_specs
-
     started = time.perf_counter()
     workflow = load_workflow(cfg.workflow)
-    if cfg.placement.max_staleness > workflow.max_staleness:
-        raise ValueError(f"placement.max_staleness={cfg.placement.max_staleness}, but workflow {cfg.workflow!r} "
-                         f"implements at most {workflow.max_staleness} (0: synchronous only)")
     ctx = prepare_run(cfg)
-    start_ray(cfg, address)
     data = StepData.load(cfg, workflow.data_format)
     specs = role_specs(cfg, workflow.roles)
+    step_graph, val_graph = build_graphs(cfg, workflow)   # before any actor starts: names checked
+    start_ray(cfg, address)
     print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
     roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=cfg.placement.mode,
                         colocate=colocation(cfg, specs), placement_timeout_s=cfg.placement.placement_timeout_s,
@@ -164,21 +153,20 @@ def run(cfg, address: str | None = None) -> RunSummary:
     try:
         start_step, version = _resume(ctx, roles, data, kl_ctl)
         if start_step == 0 and cfg.trainer.warm_start is not None:
-            from raygraph.warm_start import run_warm_start
-
             run_warm_start(cfg, roles)
         tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
                           mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
                           experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
-                          console=cfg.logging.console)
+                          console=cfg.logging.console, log_every=cfg.logging.log_every)
         if tracker.mlflow_run_id:
             print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
         # profile: interpreted and unfused, so that every stage is a Ray task in the timeline (a
         # compiled graph runs as one long task per actor, a fused plan as one task per step)
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
-        executor = Executor(workflow.build(roles, cfg), mode=mode, fuse=not cfg.trainer.profile)
+        executor = Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile)
         lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
-        val_start = _validate(ctx, Executor, roles, data).get("val/accuracy") if start_step == 0 else None
+        val_start = (run_validation(val_graph, roles, data.val_prompts).get("val/accuracy")
+                     if start_step == 0 else None)
         roles.take_stage_timings()  # start the per-stage clocks at the first step
         if val_start is not None:
             print(f"[raygraph] validation accuracy before training: {val_start:.3f}", flush=True)
@@ -196,9 +184,9 @@ def run(cfg, address: str | None = None) -> RunSummary:
                 stopping = stop.requested  # read once: a signal may land anywhere in this iteration
                 last = step == cfg.trainer.total_steps
                 if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
-                    metrics.update(_validate(ctx, Executor, roles, data))  # skipped on a stop: checkpoint first
+                    metrics.update(run_validation(val_graph, roles, data.val_prompts))
                     val_end = metrics.get("val/accuracy", val_end)
-                tracker.log(step, metrics)
+                tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
                 steps_done = step
                 if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
                     _save(ctx, roles, step, data, kl_ctl, version)
@@ -208,8 +196,6 @@ def run(cfg, address: str | None = None) -> RunSummary:
         status = "KILLED" if stopped else "FINISHED"
     finally:
         if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
-            import ray
-
             ray.timeline(filename=str(ctx.run_dir / "timeline.json"))
         if executor is not None:
             executor.teardown()

@@ -1,9 +1,10 @@
-"""What one DAG step asks an actor to do, and the data plumbing the coordinator runs.
+"""Actor tasks: what one call asks an actor to do, and the data plumbing the coordinator runs.
 
-A `Step` is a small picklable description: which operation, which role/method, and how to
-build the call's arguments from constants and the values of upstream steps (`Arg`). Both
-executors (compiled and interpreted) pass upstream values *positionally* after the step, so
-keyword arguments may be DAG nodes even though Ray Compiled Graphs only bind positional ones.
+A `Task` is a small picklable description: which operation, which role/method, and how to
+build the call's arguments from constants and the values of upstream tasks (`Arg`). Callers
+pass upstream values *positionally* after the task, so keyword arguments may come from
+upstream values even though Ray Compiled Graphs only bind positional ones. This module knows
+nothing about graphs: `raygraph.graph` lowers a workflow's graph into these tasks.
 
 The coordinator functions (`scatter`, `gather`, `apply`) see whole batches; they run on a small
 coordinator actor, never on the driver.
@@ -17,32 +18,33 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raygraph.batch import Batch
+from raygraph.cluster.weights import combine_stats
 
-__all__ = ["Arg", "Step", "resolve", "scatter", "merge_shards", "gather", "run_whole", "combine_sync", "with_status",
+__all__ = ["Arg", "Task", "resolve", "scatter", "merge_shards", "gather", "run_whole", "combine_sync", "with_status",
            "OK", "INPUT", "WHOLE_OPS"]
 
-OK = True   # the status value interpreted execution returns next to every step's result
-INPUT = ("input", 0)   # the value id of a plan's input (other ids: (step index, result index))
+OK = True   # the status value interpreted execution returns next to every task's result
+INPUT = ("input", 0)   # the value id of a plan's input (other ids: (task index, result index))
 WHOLE_OPS = ("scatter", "gather", "apply", "weights_combine")   # whole-batch plumbing, not role calls
 WEIGHT_OPS = ("weights_local", "weights_send", "weights_recv", "weights_drain")   # RoleHost methods
 
 
 @dataclass(frozen=True)
 class Arg:
-    """A constant (`const`) or the `index`-th upstream value passed to the step."""
+    """A constant (`const`) or the `index`-th upstream value passed to the task."""
 
     const: Any = None
     index: int | None = None
 
 
 @dataclass(frozen=True)
-class Step:
+class Task:
     """One operation on one actor.
 
     Args:
         op: "call" (worker method), "scatter", "gather", "apply", a weight-sync op
             ("weights_local", "weights_send", "weights_recv", "weights_combine"), or "plan"
-            (a whole plan run in one actor: `extra["ops"]` lists `(step, input ids, output ids)`,
+            (a whole plan run in one actor: `extra["ops"]` lists `(task, input ids, output ids)`,
             `extra["outputs"]` the value ids returned).
         role, method, rank: what runs (for "call") and how errors name it.
         args, kwargs: argument templates resolved against the upstream values.
@@ -73,40 +75,38 @@ class Step:
         return f"{self.op}:{self.method}" if self.method else self.op
 
 
-def resolve(step: Step, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
-    """The positional and keyword arguments of `step`, given the upstream `values`."""
+def resolve(task: Task, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The positional and keyword arguments of `task`, given the upstream `values`."""
     def one(a: Arg) -> Any:
         return a.const if a.index is None else values[a.index]
 
-    return [one(a) for a in step.args], {k: one(a) for k, a in step.kwargs.items()}
+    return [one(a) for a in task.args], {k: one(a) for k, a in task.kwargs.items()}
 
 
-def with_status(step: Step, out: Any) -> Any:
-    """What an actor returns for `step`: `out`, plus `OK` as a last result when `step.status`."""
-    if not step.status:
+def with_status(task: Task, out: Any) -> Any:
+    """What an actor returns for `task`: `out`, plus `OK` as a last result when `task.status`."""
+    if not task.status:
         return out
-    return (*out, OK) if step.n_out > 1 else (out, OK)
+    return (*out, OK) if task.n_out > 1 else (out, OK)
 
 
-def run_whole(step: Step, values: Sequence[Any]) -> Any:
-    """Run a whole-batch step (`WHOLE_OPS`) on its upstream values; a tuple when `n_out > 1`."""
-    if step.op == "scatter":
-        parts = scatter(merge_shards(values), step.n_out)
-        return tuple(parts) if step.n_out > 1 else parts[0]
-    if step.op == "gather":
-        return gather(values, step.groups)
-    if step.op == "apply":
-        args, kwargs = resolve(step, values)
-        return step.fn(*args, **kwargs)
-    if step.op == "weights_combine":
+def run_whole(task: Task, values: Sequence[Any]) -> Any:
+    """Run a whole-batch task (`WHOLE_OPS`) on its upstream values; a tuple when `n_out > 1`."""
+    if task.op == "scatter":
+        parts = scatter(merge_shards(values), task.n_out)
+        return tuple(parts) if task.n_out > 1 else parts[0]
+    if task.op == "gather":
+        return gather(values, task.groups)
+    if task.op == "apply":
+        args, kwargs = resolve(task, values)
+        return task.fn(*args, **kwargs)
+    if task.op == "weights_combine":
         return combine_sync(values)
-    raise ValueError(f"not a whole-batch step op: {step.op!r}")
+    raise ValueError(f"not a whole-batch task op: {task.op!r}")
 
 
 def combine_sync(values: Sequence[Any]) -> dict:
     """One `weights/*` dict from the sender's and receivers' reports of one weight sync."""
-    from raygraph.cluster.weights import combine_stats
-
     reports = [v for v in values if isinstance(v, dict) and ("sender" in v or "receiver" in v)]
     sender = next((r["sender"] for r in reports if r.get("sender")), {})
     receivers = [r["receiver"] for r in reports if "receiver" in r]

@@ -1,8 +1,12 @@
-"""DAG fragments that the policy-gradient workflows share (they read the config; `steps` does not)."""
+"""Graph fragments that the policy-gradient workflows share (they read the config;
+`raygraph.graph.whole_batch` does not)."""
 
 from __future__ import annotations
 
-__all__ = ["rollout_columns"]
+from raygraph.graph import whole_batch
+from raygraph.graph.nodes import InputNode, MultiOutputNode
+
+__all__ = ["rollout_columns", "validation_graph"]
 
 
 def rollout_columns(roles, cfg, rollouts) -> list:
@@ -19,3 +23,12 @@ def rollout_columns(roles, cfg, rollouts) -> list:
     if "reference" in roles.names():
         parts.append(roles.reference.bind("logprobs", rollouts))
     return parts
+
+
+def validation_graph(roles, *, greedy: bool = True):
+    """One sample per validation prompt (greedy, or sampled as in training), scored by the reward
+    role: outputs `val/accuracy`, `val/reward/*` (`whole_batch.validation_metrics`)."""
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts, greedy=greedy, n=1)
+        scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
+        return MultiOutputNode([roles.apply(whole_batch.validation_metrics, scored)])

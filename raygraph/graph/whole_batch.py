@@ -1,4 +1,4 @@
-"""Whole-batch steps that workflows place in their DAG with `roles.apply(fn, batch, ...)`.
+"""Whole-batch functions that workflows place in their graph with `roles.apply(fn, batch, ...)`.
 
 They see the WHOLE batch (every rank's rows), so advantage normalisation is global by
 construction. Pure functions of a `Batch`: no Ray, no config objects; workflows pass the numbers.

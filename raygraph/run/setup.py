@@ -10,6 +10,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from raygraph.config import to_yaml
+from raygraph.data.toy import write_toy_dataset
+from raygraph.models.tiny import build_tiny_lm, built_size
+
 __all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "quiet_progress_bars"]
 
 log = logging.getLogger("raygraph")
@@ -40,8 +44,6 @@ def ensure_assets(cfg) -> None:
     """Build the tiny model and write toy data when the config asks for them and they are missing."""
     model_path = Path(cfg.model.path)
     if cfg.model.build_tiny:
-        from raygraph.models.tiny import build_tiny_lm, built_size
-
         existing = built_size(model_path)
         if existing is None:
             log.info("building tiny model (%s) at %s", cfg.model.tiny_size, model_path)
@@ -53,8 +55,6 @@ def ensure_assets(cfg) -> None:
     toy = cfg.data.toy
     files = [*cfg.data.train_files, *cfg.data.val_files]
     if toy is not None and not all(Path(f).is_file() for f in files):
-        from raygraph.data.toy import write_toy_dataset
-
         out_dir = Path(cfg.data.train_files[0]).parent
         log.info("writing toy dataset to %s", out_dir)
         write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
@@ -81,8 +81,6 @@ def quiet_progress_bars() -> None:
 
 def prepare_run(cfg) -> RunContext:
     """Create `<output_dir>/<experiment>/<run>/`, write the resolved config, build local assets."""
-    from raygraph.config import to_yaml
-
     quiet_progress_bars()
     run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.output_dir) / cfg.experiment / run_name

@@ -131,11 +131,15 @@ class Tracker:
         params: the resolved config as a nested dict (MLflow params).
         ray_metrics: export headline metrics with `ray.util.metrics`.
         console: "auto" | "bar" | "lines".
+        log_every: send every N-th step to the console, MLflow and Ray metrics (`log(force=True)`
+            sends any step); `metrics.jsonl` gets every step.
     """
 
     def __init__(self, run_dir: Path, *, total_steps: int, mlflow_uri: str | None, experiment: str,
-                 run_name: str, params: dict, ray_metrics: bool = True, console: str = "auto"):
+                 run_name: str, params: dict, ray_metrics: bool = True, console: str = "auto",
+                 log_every: int = 1):
         self.run_dir = Path(run_dir)
+        self.log_every = log_every
         self.jsonl = (self.run_dir / "metrics.jsonl").open("a")
         self.console = ConsoleProgress(total_steps, console)
         self.sinks: list[Any] = []
@@ -154,10 +158,14 @@ class Tracker:
         except Exception as exc:  # a tracking backend must never stop training
             log.warning("%s logging disabled: %s", what, exc)
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], force: bool = False) -> None:
+        """Append `metrics` to metrics.jsonl; on every `log_every`-th step (or with `force`) also
+        send them to the console, MLflow and Ray metrics."""
         clean = _finite(metrics)
         self.jsonl.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
         self.jsonl.flush()
+        if not force and step % self.log_every:
+            return
         for sink in self.sinks:
             try:
                 sink.log(step, clean)

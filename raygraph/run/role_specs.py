@@ -6,9 +6,8 @@ keyword arguments and never see the config object.
 
 from __future__ import annotations
 
-import dataclasses
-
 from raygraph.cluster import PoolSpec, RoleSpec
+from raygraph.run.graphs import worker_classes
 
 __all__ = ["optimizer_steps_per_batch", "role_specs", "pools_for", "colocation"]
 
@@ -58,6 +57,11 @@ def _critic_args(cfg) -> dict:
     return args
 
 
+def _reference_args(cfg) -> dict:
+    return {**_model_args(cfg), "micro_batch_size": cfg.actor.micro_batch_size,
+            "temperature": cfg.rollout.temperature}
+
+
 def _rollout_args(cfg) -> dict:
     r = cfg.rollout
     return {
@@ -67,54 +71,37 @@ def _rollout_args(cfg) -> dict:
     }
 
 
-def _reward_spec(cfg) -> tuple[type, dict]:
+def _reward_args(cfg) -> dict:
     reward = cfg.reward
     tokenizer = cfg.model.tokenizer_path or cfg.model.path
     if reward.kind == "model":
-        from raygraph.workers.reward_model import RewardModelWorker
-
-        return RewardModelWorker, {"model_path": reward.model_path, "policy_tokenizer_path": tokenizer,
-                                   "dtype": cfg.model.dtype}
+        return {"model_path": reward.model_path, "policy_tokenizer_path": tokenizer, "dtype": cfg.model.dtype}
     if reward.kind == "remote":
-        from raygraph.workers.reward_remote import RemoteRewardWorker
-
         remote = reward.remote
-        return RemoteRewardWorker, {"url": remote.url, "tokenizer_path": tokenizer,
-                                    "timeout_s": remote.timeout_s, "max_retries": remote.max_retries,
-                                    "backoff_s": remote.backoff_s, "auth_env": remote.auth_env}
-    from raygraph.workers.reward_rule import RuleRewardWorker
-
-    return RuleRewardWorker, {"tokenizer_path": tokenizer, "function": reward.function}
+        return {"url": remote.url, "tokenizer_path": tokenizer, "timeout_s": remote.timeout_s,
+                "max_retries": remote.max_retries, "backoff_s": remote.backoff_s, "auth_env": remote.auth_env}
+    return {"tokenizer_path": tokenizer, "function": reward.function}
 
 
 def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:
     """RoleSpecs for the roles a workflow binds (plus the reference when a KL term is used)."""
-    from raygraph.workers.critic import CriticWorker
-    from raygraph.workers.policy import PolicyWorker
-    from raygraph.workers.reference import ReferenceWorker
-    from raygraph.workers.rollout_hf import HFRolloutWorker
-
     colocated = cfg.placement.mode == "colocated"
     train_world = cfg.placement.train_workers
     rollout_world = train_world if colocated else cfg.placement.rollout_workers
     train_pool, rollout_pool = ("main", "main") if colocated else ("train", "rollout")
-    reward_cls, reward_args = _reward_spec(cfg)
-    ref_args = {**_model_args(cfg), "micro_batch_size": cfg.actor.micro_batch_size,
-                "temperature": cfg.rollout.temperature}
-    table = {
-        "policy": RoleSpec(PolicyWorker, _policy_args(cfg), train_world, train_pool, distributed=True),
-        "critic": RoleSpec(CriticWorker, _critic_args(cfg), train_world, train_pool, distributed=True),
-        "reference": RoleSpec(ReferenceWorker, ref_args, train_world, train_pool, distributed=True),
-        "rollout": RoleSpec(HFRolloutWorker, _rollout_args(cfg), rollout_world, rollout_pool),
-        "reward": RoleSpec(reward_cls, reward_args, rollout_world, rollout_pool),
+    layout = {  # role -> (worker arguments, ranks, pool, torch.distributed group)
+        "policy": (_policy_args, train_world, train_pool, True),
+        "critic": (_critic_args, train_world, train_pool, True),
+        "reference": (_reference_args, train_world, train_pool, True),
+        "rollout": (_rollout_args, rollout_world, rollout_pool, False),
+        "reward": (_reward_args, rollout_world, rollout_pool, False),
     }
-    wanted = set(role_names) | ({"reference"} if cfg.uses_reference else set())
-    unknown = wanted - set(table)
-    if unknown:
-        raise ValueError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(table)}")
     mapping = cfg.placement.roles if cfg.placement.pools else {}
-    return {name: dataclasses.replace(spec, pool=mapping.get(name, spec.pool))
-            for name, spec in table.items() if name in wanted}
+    specs = {}
+    for name, cls in worker_classes(cfg, role_names).items():
+        args, world, pool, distributed = layout[name]
+        specs[name] = RoleSpec(cls, args(cfg), world, mapping.get(name, pool), distributed=distributed)
+    return specs
 
 
 def pools_for(cfg) -> dict[str, PoolSpec]:

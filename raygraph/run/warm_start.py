@@ -12,6 +12,8 @@ import logging
 from collections.abc import Iterator
 
 from raygraph.batch import Batch
+from raygraph.data import ResumableSampler, load_offline_dataset
+from raygraph.models.loading import load_tokenizer
 
 __all__ = ["run_warm_start", "warm_start_batches"]
 
@@ -30,15 +32,12 @@ def run_warm_start(cfg, roles) -> dict[str, float]:
         if step == 1 or step == ws.steps or step % 25 == 0:
             print(f"[raygraph] warm start {step}/{ws.steps} sft_loss={metrics['actor/sft_loss']:.4f}",
                   flush=True)
-    roles.sync_weights_now()
+    roles.weights.sync_now()
     return {f"warm_start/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
 
 
 def warm_start_batches(cfg) -> Iterator[Batch]:
     """The `trainer.warm_start.steps` SFT batches, in order (seeded by `trainer.seed`)."""
-    from raygraph.data import ResumableSampler, load_offline_dataset
-    from raygraph.models.loading import load_tokenizer
-
     ws = cfg.trainer.warm_start
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     dataset = load_offline_dataset("sft", ws.files or cfg.data.train_files, tokenizer,

@@ -1,0 +1,99 @@
+"""One rank's model under training: what the policy and critic workers share, by composition.
+
+    trained = TrainedModel(model, dtype="bfloat16", lr=1e-6, ...)
+    with trained.compute():                       # autocast when unsharded and low precision
+        loss = ...
+    metrics = trained.train(batch, loss_fn, mask_key=RESPONSE_MASK, loss_agg="token-mean")
+    trained.save(path); trained.load(path)
+
+It places the model on the device, shards it with FSDP2 when `torch.distributed` runs (mixed
+precision there, autocast otherwise; master weights and optimizer state stay float32), builds
+AdamW and the lr schedule, runs epochs x mini-batches x micro-batches
+(`raygraph.workers._train.run_minibatches`) and saves/loads model + optimizer + schedule + RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from raygraph.batch import Batch
+from raygraph.models.loading import resolve_dtype
+from raygraph.workers import _train
+from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed
+
+__all__ = ["TrainedModel"]
+
+
+class TrainedModel:
+    """A float32 model being trained on one data-parallel rank.
+
+    Args:
+        model: the float32 module (on CPU); moved to `device` and sharded when distributed.
+        dtype: compute dtype ("float32", "bfloat16", "float16").
+        device: None = CUDA when available, else CPU.
+        lr, weight_decay, betas: AdamW (no decay on biases and norm scales).
+        warmup_steps, total_steps, lr_schedule, min_lr_ratio: the lr schedule, per optimizer step.
+        grad_clip: global gradient-norm clip (None: off).
+        ppo_epochs, mini_batch_size, micro_batch_size: the default shape of `train` (per-rank rows
+            per optimizer step, None = the whole shard; rows per forward/backward).
+    """
+
+    def __init__(self, model: nn.Module, *, dtype: str = "float32", device: str | None = None, lr: float,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0,
+                 total_steps: int | None = None, lr_schedule: str = "constant", min_lr_ratio: float = 0.0,
+                 grad_clip: float | None = 1.0, ppo_epochs: int = 1, mini_batch_size: int | None = None,
+                 micro_batch_size: int = 16) -> None:
+        self.device = default_device(device)
+        self.compute_dtype = resolve_dtype(dtype)
+        model = model.to(self.device)
+        low_precision = self.compute_dtype != torch.float32
+        if is_distributed():
+            model = fsdp_wrap(model, param_dtype=self.compute_dtype if low_precision else None)
+        self._autocast = low_precision and not is_distributed()
+        self.model = model
+        self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+        self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                                lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
+        self.grad_clip, self.ppo_epochs = grad_clip, ppo_epochs
+        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """The context a forward pass runs in (autocast to the compute dtype when unsharded)."""
+        if self._autocast:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def train(self, batch: Batch, loss_fn: Callable[[Batch], _train.MicroResult], *, mask_key: str,
+              loss_agg: str, epochs: int | None = None, optimizer: torch.optim.Optimizer | None = None,
+              scheduler=None) -> dict[str, float]:
+        """Epochs x mini-batches (one optimizer step each) x micro-batches of `loss_fn`.
+
+        Args:
+            epochs: None = `ppo_epochs`.
+            optimizer, scheduler: use these instead of the model's own (e.g. a warm-start stage).
+        Returns:
+            `run_minibatches`' metrics (loss terms, token stats, grad_norm, skipped_steps, lr).
+        """
+        self.model.train()
+        return _train.run_minibatches(
+            batch, model=self.model, optimizer=optimizer or self.optimizer,
+            scheduler=scheduler or self.scheduler, loss_fn=loss_fn, mask_key=mask_key, loss_agg=loss_agg,
+            epochs=self.ppo_epochs if epochs is None else epochs, mini_batch_size=self.mini_batch_size,
+            micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
+
+    def state_dict(self) -> dict:
+        """`{"model", "optimizer", "scheduler", "rng"}`; model/optimizer sharded under FSDP2."""
+        return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
+
+    def save(self, path: str | Path) -> None:
+        """Model, optimizer, scheduler and RNG state (all ranks call; sharded under FSDP2)."""
+        _train.save_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def load(self, path: str | Path) -> None:
+        """Inverse of `save` (same world size)."""
+        _train.load_train_state(path, self.model, self.optimizer, self.scheduler)
