@@ -54,6 +54,18 @@ def test_validate_misspelled_key_exits_2_with_path_and_suggestion(tmp_path):
     assert seconds < 20, f"validate took {seconds:.1f} s"
 
 
+def test_validate_builds_the_graph_and_names_a_misspelt_method_without_ray(tmp_path):
+    algo = tmp_path / "algo.py"
+    algo.write_text("from raygraph.graph import InputNode, MultiOutputNode\n\n"
+                    "def build(roles, cfg):\n"
+                    "    with InputNode() as prompts:\n"
+                    "        return MultiOutputNode([roles.gather(roles.policy.bind('updat', prompts))])\n")
+    result, _ = _validate_subprocess(TOY, f"workflow={algo}:build")
+    assert result.returncode == 2, result.stderr
+    assert "role 'policy' (PolicyWorker) has no method 'updat'; valid methods: " in result.stderr
+    assert "update" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_validate_in_process(capsys):
     assert main(["validate", TOY]) == 0
     assert capsys.readouterr().out.endswith("config OK\n")

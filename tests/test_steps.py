@@ -9,6 +9,7 @@ from raygraph.batch import (
     OLD_LOGPROBS,
     REF_LOGPROBS,
     RESPONSE_MASK,
+    RESPONSE_TEXT,
     ROLLOUT_LOGPROBS,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
@@ -87,3 +88,21 @@ def test_rollout_metrics_report_reward_and_lengths():
     assert m["rollout/response_length_max"] == 4 and m["rollout/response_length_min"] == 1
     assert m["rollout/clip_ratio"] == pytest.approx(1 / 3)
     assert m["rollout/tokens"] == 7
+
+
+def test_sample_records_are_the_rows_as_text_with_their_scores_and_mean_advantage():
+    batch = Batch(
+        {TOKEN_LEVEL_SCORES: torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+         RESPONSE_MASK: torch.tensor([[1, 1, 0], [1, 1, 1]]),
+         ADVANTAGES: torch.tensor([[0.5, 0.5, 9.0], [-1.0, -2.0, -3.0]]),
+         "reward_extra.acc": torch.tensor([1.0, 0.0])},
+        {UID: np.array(["a", "b"], dtype=object), RESPONSE_TEXT: np.array(["4", "7"], dtype=object)},
+        {whole_batch.DUMP_ROWS: 1})
+    records = whole_batch.sample_records(batch)
+    assert records[0] == {"uid": "a", "score": 1.0, "acc": 1.0, "advantage": 0.5, "response": "4"}
+    assert records[1]["advantage"] == pytest.approx(-2.0)   # (-1 - 2 - 3) / 3 response tokens
+    # rollout_metrics returns the rows the driver asked for (meta), validation always a few
+    assert len(whole_batch.rollout_metrics(batch)[whole_batch.RECORDS]) == 1
+    no_dump = Batch(batch.tensors, batch.non_tensors, {})
+    assert whole_batch.RECORDS not in whole_batch.rollout_metrics(no_dump)
+    assert len(whole_batch.validation_metrics(no_dump)[whole_batch.RECORDS]) == 2   # up to 3 for the console

@@ -40,7 +40,7 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
     from raygraph.run.trainer import run
 
     train_file = Path(load_config(config).data.train_files[0]).name
-    cfg = load_config(config, toy_overrides(shared_assets, tmp_path, train_file))
+    cfg = load_config(config, toy_overrides(shared_assets, tmp_path, train_file, **{"trainer.dump_rollouts": 2}))
     summary = run(cfg)
     rows = read_metrics(summary.run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -56,8 +56,16 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
         assert rows[0]["rollout/logprob_diff_max"] < 1e-4
         # a separate old-log-prob pass runs only where the config needs one
         assert ("timing/policy.logprobs_s" in rows[0]) == (cfg.old_logprobs_source == "recompute")
+        # every 2nd step's rollouts are kept as text: all prompts_per_step x n rows, scored
+        dumped = [json.loads(line) for line in (summary.run_dir / "samples" / "train_step_000002.jsonl").open()]
+        assert len(dumped) == cfg.samples_per_step and {r["step"] for r in dumped} == {2}
+        assert all(r["response"] and r["uid"] and r["weight_version"] == 1 for r in dumped)
+        assert sum(r["score"] for r in dumped) == pytest.approx(rows[1]["reward/mean"] * len(dumped), abs=1e-4)
     else:
         assert rows[0][f"actor/{cfg.data.format}_loss"] > 0
+    for at in (0, 2):   # validation generations before training and after the last step
+        val = (summary.run_dir / "samples" / f"val_step_{at:06d}.jsonl").read_text().splitlines()
+        assert len(val) == 8
     ckpt = summary.run_dir / "checkpoints" / "step_2"
     assert (ckpt / "COMPLETE").is_file() and (ckpt / "hf" / "config.json").is_file()
     assert (summary.run_dir / "config.yaml").is_file()

@@ -297,6 +297,13 @@ class TrainerConfig(_Section):
                                             "or a checkpoint directory.")
     val_every: int = Field(0, ge=0, description="Validate every N steps; 0 = only at start and end.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 = only at the end.")
+    dump_rollouts: int = Field(10, ge=0, description="Write the step's rollouts (prompt, response, score and "
+                                                     "reward extras, advantage, uid, weight version) to "
+                                                     "<run>/samples/train_step_<N>.jsonl and MLflow every N "
+                                                     "steps; 0 = never. Validation generations are always "
+                                                     "written (val_step_<N>.jsonl).")
+    dump_rows: int | None = Field(None, ge=1, description="Rows per sample dump (training and validation); "
+                                                          "null = all.")
     executor: Literal["compiled", "interpreted"] = Field(
         "interpreted", description="Run the workflow DAG interpreted (default: Ray tasks in dependency "
         "order) or as a Ray compiled graph (lower per-step latency, but its readers busy-wait: on "

@@ -14,10 +14,14 @@ import torch
 from raygraph.algos import advantages, kl
 from raygraph.batch import (
     ADVANTAGES,
+    DATA_SOURCE,
+    GROUND_TRUTH,
     OLD_LOGPROBS,
+    PROMPT_TEXT,
     REF_LOGPROBS,
     RESPONSE_LENGTH,
     RESPONSE_MASK,
+    RESPONSE_TEXT,
     RETURNS,
     REWARD_BASELINES,
     REWARD_EXTRA_PREFIX,
@@ -33,7 +37,14 @@ from raygraph.batch import (
 
 __all__ = ["compute_advantages", "rollout_metrics", "validation_metrics", "sequence_scores",
            "attach_reward_baselines", "use_rollout_logprobs", "truncated_importance_weights",
-           "off_policy_metrics"]
+           "off_policy_metrics", "sample_records", "RECORDS", "DUMP_ROWS"]
+
+# A metrics output may carry the step's samples as text under RECORDS (the driver writes them
+# out and never logs them as metrics); the driver asks for them with `meta[DUMP_ROWS]` (rows
+# wanted, -1 = all) in the step's prompts batch.
+RECORDS = "_records"
+DUMP_ROWS = "dump_rows"
+VAL_CONSOLE_ROWS = 3   # validation always returns a few samples, for the console
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -195,6 +206,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     for key in ("kl_in_reward", "kl_coef"):
         if key in batch.meta:
             out[f"actor/{key}"] = float(batch.meta[key])
+    if batch.meta.get(DUMP_ROWS):
+        out[RECORDS] = sample_records(batch, batch.meta[DUMP_ROWS])
     return out
 
 
@@ -205,7 +218,8 @@ def validation_metrics(batch: Batch) -> dict[str, float]:
     """
     acc_col = f"{REWARD_EXTRA_PREFIX}acc"
     correct = batch[acc_col].float() if acc_col in batch else (sequence_scores(batch) > 0).float()
-    out = {"val/accuracy": float(correct.mean()), "val/samples": float(len(batch))}
+    out = {"val/accuracy": float(correct.mean()), "val/samples": float(len(batch)),
+           RECORDS: sample_records(batch, batch.meta.get(DUMP_ROWS) or VAL_CONSOLE_ROWS)}
     out.update(_reward_summary(batch, "val/reward"))
     if "data_source" in batch:
         sources = np.asarray(batch["data_source"])
@@ -214,3 +228,36 @@ def validation_metrics(batch: Batch) -> dict[str, float]:
                 rows = torch.as_tensor(sources == source)
                 out[f"val/accuracy@{source}"] = float(correct[rows].mean())
     return out
+
+
+def sample_records(batch: Batch, rows: int = -1) -> list[dict]:
+    """The first `rows` rows (-1: all) as plain records for a JSONL dump or the console.
+
+    Each record: `uid`, `prompt`, `response`, `score` (the row's summed token scores), the
+    reward's extras (`acc`, ...), and where present `advantage` (mean over the response tokens),
+    `weight_version`, `response_length`, `data_source`, `ground_truth`.
+    """
+    n = len(batch) if rows < 0 else min(rows, len(batch))
+    scores = sequence_scores(batch)[:n].tolist() if TOKEN_LEVEL_SCORES in batch else [None] * n
+    extras = {name[len(REWARD_EXTRA_PREFIX):]: batch[name][:n].float().tolist()
+              for name in batch.tensors if name.startswith(REWARD_EXTRA_PREFIX)}
+    mask = batch[RESPONSE_MASK][:n].float()
+    columns: dict[str, list] = {}
+    if ADVANTAGES in batch:
+        adv = (batch[ADVANTAGES][:n].float() * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+        columns["advantage"] = adv.tolist()
+    for key, name in ((WEIGHT_VERSION, "weight_version"), (RESPONSE_LENGTH, "response_length")):
+        if key in batch:
+            columns[name] = batch[key][:n].tolist()
+    for key, name in ((PROMPT_TEXT, "prompt"), (RESPONSE_TEXT, "response"), (DATA_SOURCE, "data_source"),
+                      (GROUND_TRUTH, "ground_truth")):
+        if key in batch:
+            columns[name] = [_plain(v) for v in batch[key][:n]]
+    uids = [_plain(u) for u in batch[UID][:n]] if UID in batch else list(range(n))
+    return [{"uid": uids[i], "score": scores[i], **{k: v[i] for k, v in extras.items()},
+             **{k: v[i] for k, v in columns.items()}} for i in range(n)]
+
+
+def _plain(value):
+    """numpy scalars and strings -> JSON-friendly Python values."""
+    return value.item() if isinstance(value, np.generic) else value

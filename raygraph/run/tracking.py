@@ -82,6 +82,13 @@ class _MlflowSink:
         safe = {k.replace("@", "_at_"): v for k, v in metrics.items()}
         self.mlflow.log_metrics(safe, step=step)
 
+    def log_samples(self, path: Path, records: list[dict]) -> None:
+        self.mlflow.log_artifact(str(path), artifact_path="samples")
+        columns = sorted({k for r in records for k in r})
+        table = {c: [r.get(c) if isinstance(r.get(c), (int, float, str, type(None))) else str(r.get(c))
+                     for r in records] for c in columns}
+        self.mlflow.log_table(data=table, artifact_file=f"tables/{path.stem}.json")
+
     def close(self, status: str) -> None:
         self.mlflow.end_run(status=status)
 
@@ -173,6 +180,15 @@ class Tracker:
                 log.warning("dropping a metrics sink after an error: %s", exc)
                 self.sinks.remove(sink)
         self.console.update(step, clean)
+
+    def log_samples(self, path: Path, records: list[dict]) -> None:
+        """Send a samples file (`raygraph.run.samples`) to the sinks that keep artifacts (MLflow)."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_samples"):
+                try:
+                    sink.log_samples(path, records)
+                except Exception as exc:  # a tracking backend must never stop training
+                    log.warning("could not log samples %s to %s: %s", path.name, type(sink).__name__, exc)
 
     def close(self, status: str = "FINISHED") -> None:
         self.jsonl.close()

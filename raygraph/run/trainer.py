@@ -22,11 +22,13 @@ import ray
 from raygraph.algos.kl_control import make_kl_controller
 from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
+from raygraph.graph import whole_batch
 from raygraph.graph.executor import Executor
 from raygraph.run import checkpoint
 from raygraph.run.feed import StepData, merge_outputs
 from raygraph.run.graphs import build_graphs
 from raygraph.run.role_specs import colocation, pools_for, role_specs
+from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import RunContext, prepare_run, start_ray
 from raygraph.run.tracking import Tracker
 from raygraph.run.validation import run_validation
@@ -165,17 +167,23 @@ def run(cfg, address: str | None = None) -> RunSummary:
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
         executor = Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile)
         lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
-        val_start = (run_validation(val_graph, roles, data.val_prompts).get("val/accuracy")
-                     if start_step == 0 else None)
+        dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
+
+        def validate(at_step: int) -> dict[str, float]:
+            return run_validation(val_graph, roles, data.val_prompts, step=at_step, dumps=dumps, tracker=tracker)
+
+        val_start = validate(0).get("val/accuracy") if start_step == 0 else None
         roles.take_stage_timings()  # start the per-stage clocks at the first step
-        if val_start is not None:
-            print(f"[raygraph] validation accuracy before training: {val_start:.3f}", flush=True)
         val_end = val_start
         with _StopFlag(cfg.trainer.stop_timeout_s) as stop:
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                 t0 = time.perf_counter()
                 prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
+                prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
                 metrics = merge_outputs(executor.run(prompts))
+                records = metrics.pop(whole_batch.RECORDS, None)
+                if records is not None:
+                    tracker.log_samples(dumps.write(step, records, "train"), records)
                 metrics["timing/step_s"] = time.perf_counter() - t0
                 metrics.update(roles.take_stage_timings())
                 metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
@@ -184,7 +192,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
                 stopping = stop.requested  # read once: a signal may land anywhere in this iteration
                 last = step == cfg.trainer.total_steps
                 if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
-                    metrics.update(run_validation(val_graph, roles, data.val_prompts))
+                    metrics.update(validate(step))
                     val_end = metrics.get("val/accuracy", val_end)
                 tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
                 steps_done = step

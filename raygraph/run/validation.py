@@ -1,26 +1,42 @@
-"""Validation: greedy decoding of the held-out prompts, scored by the reward role (`val/*` metrics)."""
+"""Validation: one graph run over the held-out prompts; `val/*` metrics, samples kept and shown."""
 
 from __future__ import annotations
 
 import time
 
 from raygraph.batch import Batch
+from raygraph.graph import whole_batch
 from raygraph.graph.executor import Executor
 from raygraph.graph.nodes import DAGNode
 from raygraph.run.feed import merge_outputs
+from raygraph.run.samples import SampleDumps, console_lines
 
 __all__ = ["run_validation"]
 
 
-def run_validation(graph: DAGNode, roles, prompts: Batch | None) -> dict[str, float]:
-    """Run `graph` (`raygraph.graph.fragments.validation_graph`) once over `prompts`; {} without validation prompts."""
+def run_validation(graph: DAGNode, roles, prompts: Batch | None, *, step: int, dumps: SampleDumps,
+                   tracker=None) -> dict[str, float]:
+    """Run `graph` (`raygraph.graph.fragments.validation_graph`) once over `prompts`.
+
+    The generations go to `<run>/samples/val_step_<step>.jsonl` (and MLflow through `tracker`),
+    and the console shows the first few. Returns the `val/*` metrics ({} without prompts).
+    """
     if prompts is None:
         return {}
+    prompts = Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta, whole_batch.DUMP_ROWS: dumps.val_rows})
     executor = Executor(graph, roles, mode="interpreted")
     try:
         t0 = time.perf_counter()
         metrics = merge_outputs(executor.run(prompts))
         metrics["timing/validation_s"] = time.perf_counter() - t0
-        return metrics
     finally:
         executor.teardown()
+    records = metrics.pop(whole_batch.RECORDS, [])
+    path = dumps.write(step, records, "val")
+    if tracker is not None:
+        tracker.log_samples(path, records)
+    print(f"[raygraph] validation at step {step}: accuracy {metrics.get('val/accuracy', float('nan')):.3f} "
+          f"({len(records)} samples in {path})", flush=True)
+    for line in console_lines(records[:whole_batch.VAL_CONSOLE_ROWS]):
+        print(line, flush=True)
+    return metrics
