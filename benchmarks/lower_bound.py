@@ -189,7 +189,7 @@ class RaygraphLoop:
         self.executor = Executor(workflow.build(GraphBuilder.of(self.roles), cfg), self.roles,
                                  mode=cfg.trainer.executor)
         self.data, self.kl_ctl = StepData.load(cfg), _kl_controller(cfg)
-        self.roles.take_stage_timings()
+        self.roles.take_step_stats()
 
     def step(self, step: int) -> dict:
         from raygraph.run.feed import merge_outputs
@@ -198,7 +198,7 @@ class RaygraphLoop:
         prompts = self.data.next_prompts(step=step, kl_coef=self.kl_ctl.value)
         metrics = merge_outputs(self.executor.run(prompts))
         step_s = time.perf_counter() - t0
-        metrics.update(self.roles.take_stage_timings())
+        metrics.update(self.roles.take_step_stats())
         self.kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * self.cfg.rollout.n)
         stages = {k: v for k, v in metrics.items() if k.startswith("timing/")}
         return {"step_s": step_s, "reward/mean": metrics["reward/mean"], **stages}

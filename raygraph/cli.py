@@ -122,7 +122,7 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         trainer.run(cfg, address=args.address or cfg.trainer.ray_address)
-    except (PlacementError, RoleError, WeightSyncError, FileNotFoundError) as exc:
+    except (PlacementError, RoleError, WeightSyncError, FileNotFoundError, ValueError) as exc:
         # Errors with a complete, actionable message: no traceback wall (RAYGRAPH_DEBUG=1 shows it).
         if os.environ.get("RAYGRAPH_DEBUG"):
             raise

@@ -56,21 +56,21 @@ def test_take_returns_the_prefetched_rollouts_with_their_staleness(rollout):
     now, later = _prompts(["a", "b"]), _prompts(["c", "d"])
     _bump_version(rollout, 3)
     assert rollout.prefetch(later) == 4                       # 2 prompts x n=2, sampled with version 3
-    kept = rollout._prefetched[("c", "d")]
+    kept = rollout.prefetched.kept[("c", "d")]
     fresh = rollout.take_or_generate(now)                     # nothing prefetched for a, b: sampled now
     assert fresh[STALENESS].tolist() == [0] * 4 and fresh[WEIGHT_VERSION].tolist() == [3] * 4
     _bump_version(rollout, 4)                                 # the step's weight sync
     taken = rollout.take_or_generate(later)
     assert torch.equal(taken[RESPONSES], kept[RESPONSES]) and list(taken[UID]) == ["c", "c", "d", "d"]
     assert taken[STALENESS].tolist() == [1] * 4 and taken[WEIGHT_VERSION].tolist() == [3] * 4
-    assert rollout._prefetched == {}                          # handed over once
+    assert rollout.prefetched.kept == {}                          # handed over once
 
 
 def test_prefetch_next_samples_the_share_attached_for_this_rank(rollout):
     share = _prompts(["a", "b"])
     share.meta[NEXT_PROMPTS] = {("x",): _prompts(["y"]), ("a", "b"): _prompts(["c", "d"])}
     assert rollout.prefetch_next(share) == {"rollout/prefetched": 4.0}
-    assert set(rollout._prefetched) == {("c", "d")}
+    assert set(rollout.prefetched.kept) == {("c", "d")}
     assert rollout.prefetch_next(_prompts(["q"])) == {"rollout/prefetched": 0.0}   # no lookahead attached
     now = _prompts(["c", "d"])
     now.meta.update(step=7, **{NEXT_PROMPTS: {("c", "d"): _prompts(["e"])}})
@@ -88,7 +88,7 @@ def test_checkpoint_keeps_the_prefetched_rollouts(rollout, tiny_model_path, tmp_
                        rollout.take_or_generate(_prompts(["e"]))[RESPONSES])
     other.save_checkpoint(tmp_path / "empty")                  # nothing kept: no file, and loads empty
     rollout.load_checkpoint(tmp_path / "empty")
-    assert rollout._prefetched == {} and not (tmp_path / "empty" / "prefetched.pkl").exists()
+    assert rollout.prefetched.kept == {} and not (tmp_path / "empty" / "prefetched.pkl").exists()
 
 
 # --- driver: lookahead without moving the sampler --------------------------------------------------
@@ -264,7 +264,7 @@ def test_async_resume_continues_exactly(async_run, shared_assets, tmp_path):
     from raygraph.run.trainer import run
 
     ckpt = async_run.run_dir / "checkpoints" / "step_2"
-    assert all((ckpt / "rollout" / f"rank{r}" / "prefetched.pkl").is_file() for r in (0, 1))
+    assert all((ckpt / "rollout" / f"rank{r}" / "prefetched.json").is_file() for r in (0, 1))
     resumed = run(load_config(TOY, toy_overrides(shared_assets, tmp_path, **ASYNC, **{
         "trainer.resume": ckpt, "trainer.executor": "interpreted"})))
     expected, got = read_metrics(async_run.run_dir)[2], read_metrics(resumed.run_dir)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from raygraph.batch import PROMPT_IDS, RESPONSE_MASK, RESPONSES, UID, Batch
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, UID, Batch
 
 
 def _batch(uids, width=3):
@@ -52,3 +52,19 @@ def test_select_union_repeat():
     assert merged["score"].tolist() == [1.0, 2.0] and RESPONSES in merged
     assert list(b.repeat_interleave(2)[UID]) == ["a", "a", "b", "b", "c", "c"]
     assert [len(p) for p in b.split(2)] == [2, 1]
+
+
+def test_token_budget_micro_batches_pack_rows_and_trim_padding():
+    # prompt lengths 1, 3, 2, 3 (left-padded to 3); response lengths 2, 1, 4, 1 (right-padded to 4)
+    prompt_mask = torch.tensor([[0, 0, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
+    response_mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    batch = Batch({PROMPT_IDS: prompt_mask * 7, PROMPT_MASK: prompt_mask, RESPONSES: response_mask * 5,
+                   RESPONSE_MASK: response_mask, "advantages": response_mask.float() * 2})
+    micros = batch.micro_batches(max_rows=3, max_tokens=10)
+    # rows 0-1: 2 x (3 + 2) = 10 fits; + row 2 would be 3 x (3 + 4) = 21; row 2 + 3: 2 x (3 + 4) = 14 > 10
+    assert [len(m) for m in micros] == [2, 1, 1]
+    assert micros[0][PROMPT_IDS].shape == (2, 3) and micros[0][RESPONSES].shape == (2, 2)
+    assert micros[1][PROMPT_MASK].tolist() == [[1, 1]] and micros[1]["advantages"].shape == (1, 4)
+    assert micros[2][RESPONSE_MASK].tolist() == [[1]]
+    assert Batch.concat(micros)["advantages"].tolist() == batch["advantages"].tolist()   # widths restored
+    assert [len(m) for m in batch.micro_batches(max_rows=3)] == [3, 1]                   # rows only

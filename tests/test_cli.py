@@ -98,7 +98,7 @@ def test_check_env_runs_and_prints_a_verdict():
     assert (result.returncode == 0) == (last[0] == "verdict: OK")
     for name in ("python", "torch", "ray", "transformers", "pyarrow", "mlflow", "pydantic", "vllm", "flash-attn"):
         assert f"  {name} " in result.stdout
-    assert "older releases leak KV-cache memory under RL weight reloading" in result.stdout
+    assert "layerwise weight reload into a running engine" in result.stdout
 
 
 def test_check_env_counts_problems(monkeypatch):
@@ -107,12 +107,14 @@ def test_check_env_counts_problems(monkeypatch):
         R("pytest", "999", "needs the future"),                           # installed but too old
         R("no-such-package-raygraph", "1", "a required package"),         # missing
         R("no-such-gpu-package-raygraph", "1", "GPU only", gpu_only=True),  # missing but optional
+        R("pytest", "1", "a range", below="2"),                            # newer than supported
     ))
     out = io.StringIO()
     assert check_env_module.check_env(out=out) == 1
     text = out.getvalue()
-    assert "verdict: PROBLEMS (2)" in text
+    assert "verdict: PROBLEMS (3)" in text
     assert "pytest" in text and "is older than 999: needs the future" in text
+    assert "is newer than the supported range >=1,<2: a range" in text
     assert "no-such-package-raygraph is not installed (need >= 1: a required package)" in text
     assert "no-such-gpu-package-raygraph is not installed" not in text
 
@@ -137,3 +139,18 @@ def test_data_toy(tmp_path, capsys):
 def test_data_gsm8k_missing_input(tmp_path, capsys):
     assert main(["data", "gsm8k", "--input", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_train_names_a_tokenizer_without_chat_template_and_the_fix(tmp_path, capsys):
+    from raygraph.models.tiny import build_tiny_lm
+
+    model = build_tiny_lm(tmp_path / "base-model")
+    (model / "chat_template.jinja").unlink()   # a base model: no chat template
+    code = main(["train", TOY, f"model.path={model}", "model.build_tiny=false",
+                 f"trainer.output_dir={tmp_path / 'runs'}", "logging.mlflow=false",
+                 f"data.train_files=[{tmp_path / 'toy' / 'train.parquet'}]",
+                 f"data.val_files=[{tmp_path / 'toy' / 'val.parquet'}]"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"the tokenizer at {model} has no chat template" in err and "data.apply_chat_template=false" in err
+    assert "Traceback" not in err

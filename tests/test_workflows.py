@@ -40,7 +40,8 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
     from raygraph.run.trainer import run
 
     train_file = Path(load_config(config).data.train_files[0]).name
-    cfg = load_config(config, toy_overrides(shared_assets, tmp_path, train_file, **{"trainer.dump_rollouts": 2}))
+    cfg = load_config(config, toy_overrides(shared_assets, tmp_path, train_file,
+                                                **{"trainer.dump_rollouts": 2, "rollout.val_n": 2}))
     summary = run(cfg)
     rows = read_metrics(summary.run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -48,6 +49,7 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
         assert all(math.isfinite(v) for v in row.values())
         assert row["weights/verified"] == 1.0
         assert row["timing/step_s"] > 0
+        assert any(k.startswith("perf/peak_rss_gb/policy") and 0.05 < v < 24 for k, v in row.items())
     assert rows[-1]["weights/version"] == 2.0
     assert "val/accuracy" in rows[-1] and 0.0 <= rows[-1]["val/accuracy"] <= 1.0
     if cfg.data.format == "rl":
@@ -56,6 +58,8 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
         assert rows[0]["rollout/logprob_diff_max"] < 1e-4
         # a separate old-log-prob pass runs only where the config needs one
         assert ("timing/policy.logprobs_s" in rows[0]) == (cfg.old_logprobs_source == "recompute")
+        # sampled validation (2 samples per prompt): pass@1 <= pass@2, both rates
+        assert 0.0 <= rows[-1]["val/pass@1"] <= rows[-1]["val/pass@2"] <= 1.0 and "val/maj@2" in rows[-1]
         # every 2nd step's rollouts are kept as text: all prompts_per_step x n rows, scored
         dumped = [json.loads(line) for line in (summary.run_dir / "samples" / "train_step_000002.jsonl").open()]
         assert len(dumped) == cfg.samples_per_step and {r["step"] for r in dumped} == {2}

@@ -23,6 +23,9 @@ How this departs from the paper (all config, same file):
 - One policy update per batch by default (`actor.ppo_epochs`, `actor.mini_batch_size`), so the
   clipped ratio only matters with several mini-batches or epochs; with one, the old log-probs are
   the update's own (detached) and `policy.logprobs` is not run (`actor.old_logprobs`, auto).
+- `algorithm.rollout_correction` (off by default) corrects every token for the rollout engine's
+  mismatch with the trainer (truncated or masked IS on `pi_old / pi_rollout`, with the old
+  log-probs recomputed by the trainer; `raygraph.graph.whole_batch.correct_rollouts`).
 - Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
   policy before the update (`old_logprobs`) and each token's advantage is weighted by
   `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
@@ -33,7 +36,7 @@ How this departs from the paper (all config, same file):
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns
+from raygraph.graph.fragments import rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
@@ -51,17 +54,13 @@ def build(roles, cfg):
             gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
+        train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
+        metrics = [roles.apply(whole_batch.rollout_metrics, batch), *correction]
+        update = roles.policy.bind("update", train_batch)
         if not pipelined:
-            update = roles.policy.bind("update", batch)
-            sync = roles.sync_weights(after=update)
-            return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, batch)])
-
-        batch = roles.apply(whole_batch.truncated_importance_weights, batch, cap=cfg.algorithm.is_cap)
-        metrics = [roles.apply(whole_batch.rollout_metrics, batch),   # listed first: computed during the update
-                   roles.apply(whole_batch.off_policy_metrics, batch, cap=cfg.algorithm.is_cap)]
-        update = roles.policy.bind("update", batch)
+            return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update), *metrics])
         # The rollout ranks sample the next step while the policy trains, and receive the new
         # weights only after that (a data dependency: the sync waits for both).
         ahead = roles.rollout.bind("prefetch_next", prompts)
         sync = roles.sync_weights(after=roles.gather(update, ahead))
-        return MultiOutputNode([*metrics, roles.gather(update), sync])
+        return MultiOutputNode([*metrics, roles.gather(update), sync])   # metrics first: run during the update

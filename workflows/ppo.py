@@ -18,7 +18,7 @@ and policy updates read the same batch and do not wait for each other.
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns
+from raygraph.graph.fragments import rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward", "critic")
 ADVANTAGES = ("gae",)
@@ -34,7 +34,8 @@ def build(roles, cfg):
             gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         critic_update = roles.critic.bind("update", batch)
-        policy_update = roles.policy.bind("update", batch)
+        train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
+        policy_update = roles.policy.bind("update", train_batch)
         sync = roles.sync_weights(after=policy_update)
         return MultiOutputNode([roles.gather(policy_update), roles.gather(critic_update), sync,
-                                roles.apply(whole_batch.rollout_metrics, batch)])
+                                roles.apply(whole_batch.rollout_metrics, batch), *correction])

@@ -14,7 +14,7 @@ Departures from the paper: the greedy branch runs in the same DAG step as the sa
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns
+from raygraph.graph.fragments import rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("remax",)
@@ -32,6 +32,8 @@ def build(roles, cfg):
             old_from_rollout=cfg.old_logprobs_source == "rollout",
             kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
-        update = roles.policy.bind("update", batch)
+        train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
+        update = roles.policy.bind("update", train_batch)
         sync = roles.sync_weights(after=update)
-        return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, batch)])
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, batch),
+                                *correction])

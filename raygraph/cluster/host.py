@@ -93,8 +93,9 @@ class RoleHost:
         return True
 
     # --- tasks -------------------------------------------------------------------------------------
-    def take_timings(self) -> dict[str, float]:
-        return self.timings.take()
+    def take_stats(self) -> dict:
+        """Seconds per task label since the last call, and this process's peak memory."""
+        return {"timings": self.timings.take(), "unit": "+".join(self.sites), **_peak_memory()}
 
     def run(self, task: tasks.Task, *values: Any) -> Any:
         """Execute one task (see `raygraph.cluster.tasks.Task`), or a whole fused plan ("plan")."""
@@ -214,8 +215,8 @@ class Coordinator:
     def ping(self) -> bool:
         return True
 
-    def take_timings(self) -> dict[str, float]:
-        return self.timings.take()
+    def take_stats(self) -> dict:
+        return {"timings": self.timings.take(), "unit": "coordinator", **_peak_memory()}
 
     def run(self, task: tasks.Task, *values: Any) -> Any:
         with _Guard(self.site, task.label), self.timings.stage(task.label):
@@ -223,6 +224,18 @@ class Coordinator:
                 raise ValueError(f"Coordinator cannot run task op {task.op!r}")
             out = tasks.run_whole(task, values)
         return tasks.with_status(task, out)
+
+
+def _peak_memory() -> dict[str, int]:
+    """Peak resident memory of this process (bytes), and on CUDA the peak allocated by torch."""
+    import resource
+    import sys
+
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    return {"peak_rss_bytes": rss, "cuda_peak_bytes": cuda}
 
 
 class _StageTimings:

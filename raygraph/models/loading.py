@@ -102,7 +102,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
         if tok.eos_token is None:
-            raise ValueError(f"tokenizer at {path} has neither a pad nor an eos token; set one")
+            raise ValueError(f"tokenizer at {path} has neither a pad nor an eos token: add one to its "
+                             "tokenizer_config.json, or set model.tokenizer_path to a tokenizer that has one")
         log.warning("tokenizer at %s has no pad token; padding with eos %r", path, tok.eos_token)
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

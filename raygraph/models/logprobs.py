@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from raygraph.algos.entropy import entropy_from_logits
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, Batch
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, Batch, pad_right
 
 __all__ = [
     "forward_response", "position_ids_from_mask", "prefill", "prompt_runs", "response_logprobs",
@@ -226,6 +226,7 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     micro_batch_size: int = 16,
+    max_tokens_per_micro_batch: int | None = None,
     with_entropy: bool = False,
     packed: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -237,6 +238,8 @@ def response_logprobs(
             `response_mask`.
         temperature: the sampling temperature the responses were drawn with.
         micro_batch_size: rows per forward pass.
+        max_tokens_per_micro_batch: also cap a pass at this many padded tokens, padding trimmed
+            (`Batch.micro_batches`).
         with_entropy: also return per-position entropy.
         packed: padding-free layout; None = auto (flash-attention only), see module docstring.
 
@@ -246,17 +249,16 @@ def response_logprobs(
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     names = (PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK)
-    columns = {name: batch_or_tensors[name] for name in names}
-    rows = columns[PROMPT_IDS].shape[0]
+    columns = Batch({name: batch_or_tensors[name] for name in names})
+    width = columns[RESPONSES].shape[1]
     packed = use_packed(model, packed)
     logprobs, entropies = [], []
-    for start in range(0, rows, micro_batch_size):
-        micro = {k: v[start:start + micro_batch_size] for k, v in columns.items()}
-        lp, ent = forward_response(model, micro, temperature=temperature, with_entropy=with_entropy,
+    for micro in columns.micro_batches(micro_batch_size, max_tokens_per_micro_batch):
+        lp, ent = forward_response(model, micro.tensors, temperature=temperature, with_entropy=with_entropy,
                                    packed=packed)
-        logprobs.append(lp.cpu())
+        logprobs.append(pad_right(lp.cpu(), width))
         if ent is not None:
-            entropies.append(ent.cpu())
+            entropies.append(pad_right(ent.cpu(), width))
     return torch.cat(logprobs), torch.cat(entropies) if with_entropy else None
 
 

@@ -32,9 +32,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-# name -> (hidden, layers, heads, kv_heads, intermediate). "tiny" is ~0.2M params + embeddings.
+# name -> (hidden, layers, heads, kv_heads, intermediate). "tiny" is ~0.2M params + embeddings. Every
+# preset has head_dim >= 32 (hidden / heads), which vLLM's CPU attention needs.
 TINY_SIZES = {
-    "tiny": (64, 2, 4, 2, 128),
+    "tiny": (64, 2, 2, 1, 128),   # head_dim 32: the smallest vLLM's CPU attention accepts
     "small": (128, 4, 4, 2, 384),
     "25m": (512, 6, 8, 4, 1536),
     "100m": (768, 12, 12, 4, 3072),

@@ -41,8 +41,13 @@ class StepData:
 
     @classmethod
     def load(cls, cfg, data_format: str = "rl") -> StepData:
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+        tokenizer = load_tokenizer(tokenizer_path)
         d = cfg.data
+        if d.apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"data.apply_chat_template is true but the tokenizer at {tokenizer_path} has no chat "
+                             "template: set data.apply_chat_template=false (prompts are then the messages' text), "
+                             "or point model.tokenizer_path at a tokenizer with one")
 
         def prompts(files):
             return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length,

@@ -17,11 +17,12 @@ from raygraph.workers.reward_model import RewardModelWorker
 from raygraph.workers.reward_remote import RemoteRewardWorker
 from raygraph.workers.reward_rule import RuleRewardWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
+from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
 __all__ = ["worker_classes", "build_graphs"]
 
 _REWARD_WORKERS = {"rule": RuleRewardWorker, "model": RewardModelWorker, "remote": RemoteRewardWorker}
-_ROLLOUT_WORKERS = {"hf": HFRolloutWorker}
+_ROLLOUT_WORKERS = {"hf": HFRolloutWorker, "vllm": VLLMRolloutWorker}
 
 
 def worker_classes(cfg: RaygraphConfig, role_names: tuple[str, ...]) -> dict[str, type]:
@@ -31,7 +32,7 @@ def worker_classes(cfg: RaygraphConfig, role_names: tuple[str, ...]) -> dict[str
         ValueError: the workflow names a role raygraph does not have.
     """
     table = {"policy": PolicyWorker, "critic": CriticWorker, "reference": ReferenceWorker,
-             "rollout": _ROLLOUT_WORKERS[cfg.rollout.engine], "reward": _REWARD_WORKERS[cfg.reward.kind]}
+             "rollout": _ROLLOUT_WORKERS[cfg.rollout_engine], "reward": _REWARD_WORKERS[cfg.reward.kind]}
     wanted = set(role_names) | ({"reference"} if cfg.uses_reference else set())
     unknown = wanted - set(table)
     if unknown:
@@ -47,4 +48,6 @@ def build_graphs(cfg: RaygraphConfig, workflow: Workflow) -> tuple[DAGNode, DAGN
             lacks (the message names the valid ones).
     """
     builder = GraphBuilder(worker_classes(cfg, workflow.roles))
-    return workflow.build(builder, cfg), validation_graph(builder, greedy=cfg.rollout.val_greedy)
+    rollout = cfg.rollout
+    return workflow.build(builder, cfg), validation_graph(builder, greedy=rollout.val_greedy, n=rollout.val_n,
+                                                          temperature=rollout.val_temperature)

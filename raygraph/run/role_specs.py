@@ -33,6 +33,7 @@ def _optim_args(cfg, section) -> dict:
         "min_lr_ratio": optim.min_lr_ratio, "grad_clip": section.grad_clip,
         "total_steps": cfg.trainer.total_steps * optimizer_steps_per_batch(cfg, section),
         "ppo_epochs": section.ppo_epochs, "micro_batch_size": section.micro_batch_size,
+        "max_tokens_per_micro_batch": section.max_tokens_per_micro_batch,
         "mini_batch_size": _per_rank(section.mini_batch_size, cfg.placement.train_workers),
     }
 
@@ -59,16 +60,20 @@ def _critic_args(cfg) -> dict:
 
 def _reference_args(cfg) -> dict:
     return {**_model_args(cfg), "micro_batch_size": cfg.actor.micro_batch_size,
+            "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch,
             "temperature": cfg.rollout.temperature}
 
 
 def _rollout_args(cfg) -> dict:
     r = cfg.rollout
-    return {
-        **_model_args(cfg), "seed": cfg.trainer.seed, "n": r.n, "max_new_tokens": r.max_new_tokens,
-        "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-        "stop_token_ids": tuple(r.stop_token_ids), "micro_batch_size": r.micro_batch_size,
-    }
+    sampling = {"model_path": cfg.model.path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed, "n": r.n,
+                "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                "top_k": r.top_k, "stop_token_ids": tuple(r.stop_token_ids)}
+    if cfg.rollout_engine == "vllm":
+        return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization, "max_model_len": r.max_model_len,
+                "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
+                "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps}
+    return {**sampling, "attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size}
 
 
 def _reward_args(cfg) -> dict:

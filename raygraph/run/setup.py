@@ -23,6 +23,7 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
+    "VLLM_LOGGING_LEVEL": "WARNING",   # vLLM logs every weight reload and cache reset at INFO
 }
 
 

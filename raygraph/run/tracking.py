@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -79,8 +80,7 @@ class _MlflowSink:
         self.run_id = self.run.info.run_id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        safe = {k.replace("@", "_at_"): v for k, v in metrics.items()}
-        self.mlflow.log_metrics(safe, step=step)
+        self.mlflow.log_metrics({mlflow_name(k): v for k, v in metrics.items()}, step=step)
 
     def log_samples(self, path: Path, records: list[dict]) -> None:
         self.mlflow.log_artifact(str(path), artifact_path="samples")
@@ -114,6 +114,13 @@ class _RayMetricsSink:
         for key, gauge in self.gauges.items():
             if key in metrics:
                 gauge.set(metrics[key], tags=self.tags)
+
+
+def mlflow_name(key: str) -> str:
+    """A metric key as MLflow accepts it: `val/accuracy@gsm8k` -> `val/accuracy_at_gsm8k`,
+    `perf/peak_rss_gb/policy+rollout` -> `perf/peak_rss_gb/policy_rollout`."""
+    key = key.replace("@", "_at_")
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", key)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:

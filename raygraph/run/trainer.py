@@ -173,7 +173,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
             return run_validation(val_graph, roles, data.val_prompts, step=at_step, dumps=dumps, tracker=tracker)
 
         val_start = validate(0).get("val/accuracy") if start_step == 0 else None
-        roles.take_stage_timings()  # start the per-stage clocks at the first step
+        roles.take_step_stats()  # start the per-stage clocks at the first step
         val_end = val_start
         with _StopFlag(cfg.trainer.stop_timeout_s) as stop:
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
@@ -185,7 +185,7 @@ def run(cfg, address: str | None = None) -> RunSummary:
                 if records is not None:
                     tracker.log_samples(dumps.write(step, records, "train"), records)
                 metrics["timing/step_s"] = time.perf_counter() - t0
-                metrics.update(roles.take_stage_timings())
+                metrics.update(roles.take_step_stats())
                 metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
                 version = int(metrics.get("weights/version", version))
                 kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)

@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = [
     "CriticWorker", "HFRolloutWorker", "PolicyWorker", "ReferenceWorker", "RemoteRewardWorker",
-    "RewardModelWorker", "RuleRewardWorker",
+    "RewardModelWorker", "RuleRewardWorker", "VLLMRolloutWorker",
 ]
 
 _MODULES = {
@@ -22,6 +22,7 @@ _MODULES = {
     "RemoteRewardWorker": "raygraph.workers.reward_remote",
     "RewardModelWorker": "raygraph.workers.reward_model",
     "RuleRewardWorker": "raygraph.workers.reward_rule",
+    "VLLMRolloutWorker": "raygraph.workers.rollout_vllm",
 }
 
 

@@ -135,6 +135,7 @@ def run_minibatches(
     epochs: int,
     mini_batch_size: int | None,
     micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None = None,
     grad_clip: float | None,
 ) -> dict[str, float]:
     """`epochs` x mini-batches (one optimizer step each) x micro-batches (accumulated).
@@ -156,7 +157,7 @@ def run_minibatches(
     lr = optimizer.param_groups[0]["lr"]
     for _ in range(epochs):
         for mini, _dummy in lockstep(batch.split(mini_size), lambda: batch.select(slice(0, 0))):
-            micros = lockstep(mini.split(micro_batch_size) if len(mini) else [],
+            micros = lockstep(mini.micro_batches(micro_batch_size, max_tokens_per_micro_batch) if len(mini) else [],
                               lambda: batch.select(slice(0, 1)))
             masks = [m[mask_key] for m, is_dummy in micros if not is_dummy]
             totals = all_reduce(torch.tensor([sum(losses.normaliser(loss_agg, m) or 0.0 for m in masks),

@@ -13,7 +13,16 @@ from pathlib import Path
 import torch
 
 from raygraph.algos import losses
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, RETURNS, VALUES, Batch
+from raygraph.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_MASK,
+    RESPONSES,
+    RETURNS,
+    VALUES,
+    Batch,
+    pad_right,
+)
 from raygraph.models.logprobs import sequence_inputs
 from raygraph.models.value_head import ValueModel
 from raygraph.workers import _train
@@ -37,7 +46,8 @@ class CriticWorker:
                  betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
                  value_clip: float = 0.5, loss_agg: str = "token-mean", ppo_epochs: int = 1,
-                 mini_batch_size: int | None = None, micro_batch_size: int = 16, seed: int = 0,
+                 mini_batch_size: int | None = None, micro_batch_size: int = 16,
+                 max_tokens_per_micro_batch: int | None = None, seed: int = 0,
                  device: str | None = None) -> None:
         if loss_agg not in losses.AGG_MODES:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
@@ -48,7 +58,8 @@ class CriticWorker:
             model, dtype=dtype, device=device, lr=lr, weight_decay=weight_decay, betas=betas,
             warmup_steps=warmup_steps, total_steps=total_steps, lr_schedule=lr_schedule,
             min_lr_ratio=min_lr_ratio, grad_clip=grad_clip, ppo_epochs=ppo_epochs,
-            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size)
+            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.model, self.device = self.trained.model, self.trained.device
         self.value_clip, self.loss_agg, self.micro_batch_size = value_clip, loss_agg, micro_batch_size
 
@@ -68,8 +79,10 @@ class CriticWorker:
         """`Batch[values (B, R)]`, float32 on CPU."""
         self.model.eval()
         columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
-        out = [self._forward(micro).cpu() for micro, is_dummy in
-               lockstep(columns.split(self.micro_batch_size), lambda: columns.select(slice(0, 1))) if not is_dummy]
+        micros = columns.micro_batches(self.micro_batch_size, self.trained.max_tokens_per_micro_batch)
+        width = columns[RESPONSES].shape[1]
+        out = [pad_right(self._forward(micro).cpu(), width) for micro, is_dummy in
+               lockstep(micros, lambda: columns.select(slice(0, 1))) if not is_dummy]
         return Batch({VALUES: torch.cat(out)})
 
     def _value_loss(self, micro: Batch) -> _train.MicroResult:

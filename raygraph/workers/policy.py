@@ -37,6 +37,7 @@ from raygraph.batch import (
     RESPONSES,
     ROLLOUT_LOGPROBS,
     Batch,
+    pad_right,
 )
 from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
@@ -67,6 +68,7 @@ class PolicyWorker:
                  betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
                  ppo_epochs: int = 1, mini_batch_size: int | None = None, micro_batch_size: int = 16,
+                 max_tokens_per_micro_batch: int | None = None,
                  policy_loss: str = "ppo", clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 3.0,
                  loss_agg: str = "token-mean", entropy_coef: float = 0.0, kl_loss_coef: float = 0.0,
                  kl_loss_kind: str = "k3", temperature: float = 1.0, seed: int = 0,
@@ -85,7 +87,8 @@ class PolicyWorker:
             model, dtype=dtype, device=device, lr=lr, weight_decay=weight_decay, betas=betas,
             warmup_steps=warmup_steps, total_steps=total_steps, lr_schedule=lr_schedule,
             min_lr_ratio=min_lr_ratio, grad_clip=grad_clip, ppo_epochs=ppo_epochs,
-            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size)
+            mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.model, self.device = self.trained.model, self.trained.device
         self.packed = use_packed(self.model, None)
         self._warm_start_optim = None  # (lr, optimizer, scheduler) of an SFT warm-start stage
@@ -104,13 +107,15 @@ class PolicyWorker:
         self.model.eval()
         columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
         logprobs, entropy = [], []
-        for micro, is_dummy in lockstep(columns.split(self.micro_batch_size), lambda: columns.select(slice(0, 1))):
+        micros = columns.micro_batches(self.micro_batch_size, self.trained.max_tokens_per_micro_batch)
+        width = columns[RESPONSES].shape[1]
+        for micro, is_dummy in lockstep(micros, lambda: columns.select(slice(0, 1))):
             with self.trained.compute():
                 lp, ent = forward_response(self.model, micro, temperature=self.temperature, with_entropy=True,
                                            packed=self.packed)
             if not is_dummy:
-                logprobs.append(lp.float().cpu())
-                entropy.append(ent.float().cpu())
+                logprobs.append(pad_right(lp.float().cpu(), width))
+                entropy.append(pad_right(ent.float().cpu(), width))
         return Batch({OLD_LOGPROBS: torch.cat(logprobs), ENTROPY: torch.cat(entropy)})
 
     # ------------------------------------------------------------------------------ training

@@ -18,13 +18,13 @@ weights and call sequence give the same samples. Give each data-parallel rank it
 
 Asynchronous pipelining (one-step off-policy): `prefetch_next` samples the next step's rollouts
 with the weights held now and keeps them; `take_or_generate` hands them over one step later
-(or samples now when nothing matching was prefetched). The kept rollouts are part of the
-checkpoint, so a resumed run continues with exactly the rollouts it would have used.
+(or samples now when nothing matching was prefetched); `raygraph.workers.prefetch` keeps them.
+The kept rollouts are part of the checkpoint (safetensors + JSON, no pickle), so a resumed run
+continues with exactly the rollouts it would have used.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from raygraph.batch import (
-    NEXT_PROMPTS,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_LENGTH,
@@ -40,19 +39,18 @@ from raygraph.batch import (
     RESPONSE_TEXT,
     RESPONSES,
     ROLLOUT_LOGPROBS,
-    STALENESS,
-    UID,
     WEIGHT_VERSION,
     Batch,
+    pad_right,
 )
 from raygraph.models.loading import load_causal_lm, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_runs
 from raygraph.workers.distributed import default_device
+from raygraph.workers.prefetch import PrefetchedRollouts
 
 __all__ = ["HFRolloutWorker", "filter_top_k_top_p"]
 
 Tensor = torch.Tensor
-_PREFETCH_SLOTS = 2  # kept prefetches: the next step's, and the current one if it is not taken yet
 
 
 def filter_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -109,28 +107,20 @@ class HFRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *eos, *stop_token_ids} - {None})
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._weight_version = 0
-        self._prefetched: dict[tuple[str, ...], Batch] = {}  # prompt uids -> their rollouts
+        self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling generator from `seed` (the trainer gives each rank its own)."""
         self.generator.manual_seed(seed)
 
     def save_checkpoint(self, path: str | Path) -> None:
-        """The sampling generator's state and any prefetched rollouts; the weights come back from
-        the policy on resume."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save({"generator": self.generator.get_state(), "weight_version": self._weight_version},
-                   path / "rollout_state.pt")
-        if self._prefetched:  # Batches hold numpy object columns: pickled (our own checkpoint files)
-            (path / "prefetched.pkl").write_bytes(pickle.dumps(list(self._prefetched.items())))
+        """The sampling generator's state, the weight version and any prefetched rollouts
+        (safetensors + JSON, see `raygraph.workers.prefetch`); the weights come back from the
+        policy on resume."""
+        self.prefetched.save(path, self.generator, self._weight_version)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        state = torch.load(Path(path) / "rollout_state.pt", weights_only=True)
-        self.generator.set_state(state["generator"])
-        self._weight_version = int(state["weight_version"])
-        kept = Path(path) / "prefetched.pkl"
-        self._prefetched = dict(pickle.loads(kept.read_bytes())) if kept.is_file() else {}
+        self._weight_version = self.prefetched.load(path, self.generator)
 
     @property
     def weight_version(self) -> int:
@@ -139,13 +129,16 @@ class HFRolloutWorker:
 
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, batch: Batch, greedy: bool = False, n: int | None = None) -> Batch:
+    def generate(self, batch: Batch, greedy: bool = False, n: int | None = None,
+                 temperature: float | None = None) -> Batch:
         """Sample responses for the prompts of `batch`.
 
         Args:
             batch: `prompt_ids`, `prompt_mask` `(B, P)` plus any other columns (kept).
             greedy: argmax decoding (validation); `n` then defaults to 1.
             n: samples per prompt; default `self.n` (1 when greedy).
+            temperature: sample at this temperature instead of the training one (sampled
+                validation); `rollout_logprobs` are then under `softmax(logits / temperature)`.
 
         Returns:
             `B * n` rows (the n samples of a prompt contiguous, all input columns repeated,
@@ -156,13 +149,14 @@ class HFRolloutWorker:
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
         pieces = [self._sample(rows[PROMPT_IDS][i:i + self.micro_batch_size],
-                               rows[PROMPT_MASK][i:i + self.micro_batch_size], greedy)
+                               rows[PROMPT_MASK][i:i + self.micro_batch_size], greedy,
+                               temperature or self.temperature)
                   for i in range(0, len(rows), self.micro_batch_size)]
         width = max(p[0].shape[1] for p in pieces)
         pad = self.tokenizer.pad_token_id
-        responses = torch.cat([_pad_right(p[0], width, pad) for p in pieces])
-        response_mask = torch.cat([_pad_right(p[1], width, 0) for p in pieces])
-        logprobs = torch.cat([_pad_right(p[2], width, 0.0) for p in pieces])
+        responses = torch.cat([pad_right(p[0], width, pad) for p in pieces])
+        response_mask = torch.cat([pad_right(p[1], width, 0) for p in pieces])
+        logprobs = torch.cat([pad_right(p[2], width, 0.0) for p in pieces])
         lengths = response_mask.sum(-1)
         texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(responses, lengths.tolist())],
                                             skip_special_tokens=True)
@@ -174,7 +168,8 @@ class HFRolloutWorker:
             WEIGHT_VERSION: torch.full((len(rows),), self._weight_version, dtype=torch.int64),
         })
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool,
+                temperature: float) -> tuple[Tensor, Tensor, Tensor]:
         """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU."""
         keep = prompt_mask.bool().any(0).nonzero()
         start = int(keep[0]) if len(keep) else 0  # drop columns that are padding in every row
@@ -188,7 +183,7 @@ class HFRolloutWorker:
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         tokens, alive, logprobs = [], [], []
         for step in range(self.max_new_tokens):
-            token, logprob = self._pick(logits, greedy)
+            token, logprob = self._pick(logits, greedy, temperature)
             token = token.masked_fill(finished, self.tokenizer.pad_token_id)
             alive.append(~finished)
             tokens.append(token)
@@ -204,9 +199,9 @@ class HFRolloutWorker:
         return (torch.stack(tokens, 1).cpu(), torch.stack(alive, 1).long().cpu(),
                 torch.stack(logprobs, 1).float().cpu())
 
-    def _pick(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
+    def _pick(self, logits: Tensor, greedy: bool, temperature: float) -> tuple[Tensor, Tensor]:
         """Next token `(B,)` and its log-prob under `softmax(logits / temperature)` `(B,)`."""
-        scaled = logits.float() / self.temperature
+        scaled = logits.float() / temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
         if greedy:
             token = scaled.argmax(-1)
@@ -219,10 +214,7 @@ class HFRolloutWorker:
     def prefetch(self, prompts: Batch) -> int:
         """Sample rollouts for `prompts` now, with the weights held now, and keep them for
         `take_or_generate`. Returns the number of rows kept."""
-        self._prefetched[tuple(prompts[UID])] = self.generate(prompts)
-        while len(self._prefetched) > _PREFETCH_SLOTS:
-            self._prefetched.pop(next(iter(self._prefetched)))  # the oldest: it will not be asked for
-        return len(self._prefetched[tuple(prompts[UID])])
+        return self.prefetched.prefetch(prompts, self.generate)
 
     def prefetch_next(self, batch: Batch) -> dict[str, float]:
         """`prefetch` the share of the NEXT step's prompts that this rank will receive.
@@ -235,8 +227,7 @@ class HFRolloutWorker:
         Returns:
             `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).
         """
-        upcoming = (batch.meta.get(NEXT_PROMPTS) or {}).get(tuple(batch[UID]))
-        return {"rollout/prefetched": float(self.prefetch(upcoming) if upcoming is not None else 0)}
+        return self.prefetched.prefetch_next(batch, self.generate)
 
     def take_or_generate(self, batch: Batch) -> Batch:
         """This step's rollouts: the ones prefetched for exactly these prompts, else sampled now.
@@ -246,12 +237,7 @@ class HFRolloutWorker:
             `staleness` `(B*n,)`: how many versions the weights that sampled each row lag the
             weights held now, which are the policy's (every step ends with a weight sync).
         """
-        rollouts = self._prefetched.pop(tuple(batch[UID]), None)
-        if rollouts is None:
-            rollouts = self.generate(batch)
-        out = rollouts.with_columns(**{STALENESS: self._weight_version - rollouts[WEIGHT_VERSION]})
-        out.meta = {k: v for k, v in batch.meta.items() if k != NEXT_PROMPTS}
-        return out
+        return self.prefetched.take_or_generate(batch, self.generate, self._weight_version)
 
     # ------------------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -286,5 +272,3 @@ class HFRolloutWorker:
         return {"loaded": loaded, "bytes": nbytes, "version": int(version)}
 
 
-def _pad_right(t: Tensor, width: int, value: float) -> Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) if t.shape[1] < width else t

@@ -41,13 +41,15 @@ class TrainedModel:
         grad_clip: global gradient-norm clip (None: off).
         ppo_epochs, mini_batch_size, micro_batch_size: the default shape of `train` (per-rank rows
             per optimizer step, None = the whole shard; rows per forward/backward).
+        max_tokens_per_micro_batch: also cap each micro-batch at this many padded tokens, padding
+            trimmed (`Batch.micro_batches`); the gradient is the same as with fixed-size ones.
     """
 
     def __init__(self, model: nn.Module, *, dtype: str = "float32", device: str | None = None, lr: float,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0,
                  total_steps: int | None = None, lr_schedule: str = "constant", min_lr_ratio: float = 0.0,
                  grad_clip: float | None = 1.0, ppo_epochs: int = 1, mini_batch_size: int | None = None,
-                 micro_batch_size: int = 16) -> None:
+                 micro_batch_size: int = 16, max_tokens_per_micro_batch: int | None = None) -> None:
         self.device = default_device(device)
         self.compute_dtype = resolve_dtype(dtype)
         model = model.to(self.device)
@@ -61,6 +63,7 @@ class TrainedModel:
                                                 lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
         self.grad_clip, self.ppo_epochs = grad_clip, ppo_epochs
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     def compute(self) -> contextlib.AbstractContextManager:
         """The context a forward pass runs in (autocast to the compute dtype when unsharded)."""
@@ -84,7 +87,8 @@ class TrainedModel:
             batch, model=self.model, optimizer=optimizer or self.optimizer,
             scheduler=scheduler or self.scheduler, loss_fn=loss_fn, mask_key=mask_key, loss_agg=loss_agg,
             epochs=self.ppo_epochs if epochs is None else epochs, mini_batch_size=self.mini_batch_size,
-            micro_batch_size=self.micro_batch_size, grad_clip=self.grad_clip)
+            micro_batch_size=self.micro_batch_size, max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+            grad_clip=self.grad_clip)
 
     def state_dict(self) -> dict:
         """`{"model", "optimizer", "scheduler", "rng"}`; model/optimizer sharded under FSDP2."""

@@ -241,12 +241,15 @@ def test_single_actor_plan_runs_as_one_task_with_identical_results(single_actor,
     for name, executor in (("fused", fused), ("unfused", unfused)):
         roles.policy.call("load_state", start)   # same starting weights for both
         roles.weights.sync_now()
-        roles.take_stage_timings()
+        roles.take_step_stats()
         results[name] = [executor.run(dummies.prompts(4, per_group=2)) for _ in range(2)]
-        timings = roles.take_stage_timings()
+        timings = roles.take_step_stats()
         # per-stage clocks still see every stage, including the coordinator's (run in the actor now)
         assert {"timing/rollout.generate_s", "timing/policy.update_s", "timing/apply_advantages_s",
                 "timing/gather_s"} <= set(timings), timings
+        # peak memory per unit of fused roles: a Python process with torch loaded, on this machine
+        assert 0.05 < timings["perf/peak_rss_gb/policy+rollout+reward"] < 24
+        assert 0.05 < timings["perf/peak_rss_gb/coordinator"] < 24
         assert executor.last_driver_bytes < 5_000
     assert _stable(results["fused"]) == _stable(results["unfused"])
     first, second = results["fused"]

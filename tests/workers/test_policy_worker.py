@@ -42,14 +42,19 @@ def _weights(worker: PolicyWorker) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_path, rollout_batch, loss_agg):
+@pytest.mark.parametrize("loss_agg, split_by", [
+    ("token-mean", {"micro_batch_size": 4}),                                     # 4 + 2 rows
+    ("seq-mean-token-mean", {"micro_batch_size": 4}),
+    ("token-mean", {"micro_batch_size": 6, "max_tokens_per_micro_batch": 24}),   # token budget, trimmed
+    ("seq-mean-token-mean", {"micro_batch_size": 6, "max_tokens_per_micro_batch": 24}),
+])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_path, rollout_batch, loss_agg, split_by):
     # lr small: Adam divides by sqrt(v), so fp32 rounding in near-zero gradient entries moves
     # weights by up to ~lr * 1e-3; a small lr keeps that far below the tolerance.
     kw = {"loss_agg": loss_agg, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "ppo_epochs": 2, "lr": 1e-4}
     whole = _policy(tiny_model_path, micro_batch_size=6, **kw)
     initial = _weights(whole)
-    split = _policy(tiny_model_path, micro_batch_size=4, **kw)  # micro-batches of 4 + 2 rows
+    split = _policy(tiny_model_path, **split_by, **kw)
     batch = _train_batch(whole, rollout_batch)
     m_whole, m_split = whole.update(batch), split.update(batch)
     assert set(m_whole) == METRICS and m_whole["actor/skipped_steps"] == 0
@@ -174,3 +179,12 @@ def test_lr_schedule():
     cosine = [lr_factor(s, lr_schedule="cosine", **kw) for s in range(8)]
     assert cosine[:3] == [0.5, 1.0, 1.0] and cosine[4] == pytest.approx(0.55) and cosine[6:] == [0.1, 0.1]
     assert lr_factor(4, lr_schedule="linear", **kw) == pytest.approx(0.55)
+
+
+def test_token_budget_micro_batches_give_the_same_logprobs(tiny_model_path, rollout_batch):
+    batch = rollout_batch(9, prompt_len=7, response_len=6, seed=3)
+    fixed = _policy(tiny_model_path, micro_batch_size=9).logprobs(batch)
+    budget = _policy(tiny_model_path, micro_batch_size=9, max_tokens_per_micro_batch=20)
+    assert len(batch.micro_batches(9, 20)) > 2        # the budget really splits this batch
+    for name in fixed.columns():
+        torch.testing.assert_close(budget.logprobs(batch)[name], fixed[name], atol=1e-5, rtol=0)

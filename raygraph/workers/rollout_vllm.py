@@ -1,0 +1,320 @@
+"""A vLLM rollout engine with the contract of `HFRolloutWorker` (same methods, same columns).
+
+vLLM does the sampling (continuous batching, paged KV cache); this worker turns a `Batch` of
+left-padded prompt ids into requests and the engine's outputs back into the batch layout every
+role assumes (see `raygraph.workers.rollout_hf` for the conventions, repeated here briefly):
+
+* `rollout_logprobs` are log-probs of the sampled tokens under `softmax(logits / temperature)`,
+  **before** top-k / top-p truncation, the distribution the policy recomputes. vLLM 0.32 has no
+  logprobs mode that is exactly that (`processed_logprobs` is after truncation), so the engine's
+  logits are scaled by `1 / temperature` and requests sample at temperature 1 with
+  `raw_logprobs` (see `vllm_compat`): the same samples, the right log-probs.
+* a row stops after eos (tokenizer and generation config) or any `stop_token_ids`; that token
+  is part of the response (`response_mask` 1 on it), later positions are padding.
+* `n` samples of a prompt are `n` consecutive rows, each its own request with its own seed.
+
+Seeds: one `torch.Generator` per worker, seeded with `seed`, draws one vLLM seed per sampled
+row; the same seed, weights and call sequence give the same samples. Greedy rows use no seed.
+
+Weights: `load_weights(buckets, version)` streams HF-named tensors into the running engine,
+bucket by bucket (vLLM's layerwise reload re-packs each layer once all its tensors arrived).
+An update must carry every tensor of the model, as the policy's `weight_buckets` does.
+
+Prefetching and checkpoints are the HF worker's (`raygraph.workers.prefetch.PrefetchedRollouts`):
+safe formats only, tensors in safetensors, the other columns in JSON (numpy values become lists /
+Python scalars; anything else JSON cannot hold is an error).
+
+GPU-only options (`enable_sleep_mode`, `tensor_parallel_size`, `enable_prefix_caching`,
+`gpu_memory_utilization`) go to the engine unchanged; on the CPU backend sleep mode raises
+(`ValueError`) and `gpu_memory_utilization` is the share of host RAM given to the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raygraph.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    RESPONSES,
+    ROLLOUT_LOGPROBS,
+    WEIGHT_VERSION,
+    Batch,
+)
+from raygraph.models.loading import load_tokenizer
+from raygraph.workers import vllm_compat
+from raygraph.workers.prefetch import PrefetchedRollouts
+
+__all__ = ["VLLMRolloutWorker"]
+
+Tensor = torch.Tensor
+
+
+class VLLMRolloutWorker:
+    """Generates responses for a batch of prompts with a vLLM engine (`vllm.LLM`).
+
+    Args:
+        model_path: local directory or hub id.
+        dtype: engine dtype ("float32", "bfloat16", ...).
+        seed: seeds this worker's per-request seed generator (and the engine).
+        n: samples per prompt (default of `generate`).
+        max_new_tokens: response length cap.
+        temperature: > 0; logits are divided by it.
+        top_p, top_k: nucleus / top-k truncation (1.0 / 0 = off).
+        stop_token_ids: extra ids that end a response (eos always does).
+        max_model_len: prompt + response tokens per request (default: the model's); `generate`
+            refuses prompts that leave less than `max_new_tokens` (vLLM would cut them short).
+        tensor_parallel_size: engine ranks per replica.
+        gpu_memory_utilization: share of device memory for weights + KV cache (CPU backend: share
+            of host RAM for the KV cache); default 0.9 on GPU, 0.15 on CPU.
+        enable_sleep_mode: free device memory between rollouts (GPU only; raises on CPU): after
+            each `generate` the engine sleeps (weights offloaded, KV cache dropped) and it wakes for
+            the next `generate` or `load_weights`, so colocated training gets the memory back.
+        enable_prefix_caching: share the KV of repeated prompt prefixes (None: vLLM's default).
+        enforce_eager: skip torch.compile / CUDA graphs (faster start, slower decode).
+        max_num_seqs: requests decoded together (None: vLLM's default).
+    """
+
+    def __init__(self, *, model_path: str, dtype: str = "float32", seed: int = 0, n: int = 1,
+                 max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 stop_token_ids: Sequence[int] = (), max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                 enable_sleep_mode: bool = False, enable_prefix_caching: bool | None = None,
+                 enforce_eager: bool = False, max_num_seqs: int | None = None) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
+        if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
+            raise ValueError(f"need 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1, n >= 1; got "
+                             f"{top_p}, {top_k}, {max_new_tokens}, {n}")
+        self.tokenizer = load_tokenizer(model_path)
+        self.n, self.max_new_tokens = n, max_new_tokens
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_eos(model_path),
+                                      *stop_token_ids} - {None})
+        self._shapes, self._alias = _weight_spec(model_path)
+        self.engine = vllm_compat.build_engine(
+            model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
+        if temperature != 1.0:
+            vllm_compat.scale_logits(self.engine, 1.0 / temperature)
+        self.max_model_len = vllm_compat.max_model_len(self.engine)
+        self.enable_sleep_mode, self._asleep = enable_sleep_mode, False
+        self.generator = torch.Generator().manual_seed(seed)
+        self._weight_version = 0
+        self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
+
+    def reseed(self, seed: int) -> None:
+        """Restart the seed generator from `seed` (the trainer gives each rank its own)."""
+        self.generator.manual_seed(seed)
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights in use (0 = as loaded; set by `load_weights`)."""
+        return self._weight_version
+
+    def close(self) -> None:
+        """Stop the engine's processes (also happens when the worker is garbage-collected)."""
+        vllm_compat.shutdown(self.engine)
+
+    # ------------------------------------------------------------------------------ generation
+    def generate(self, batch: Batch, greedy: bool = False, n: int | None = None,
+                 temperature: float | None = None) -> Batch:
+        """Sample responses for the prompts of `batch`.
+
+        Args:
+            batch: `prompt_ids`, `prompt_mask` `(B, P)` plus any other columns (kept).
+            greedy: argmax decoding (validation); `n` then defaults to 1.
+            n: samples per prompt; default `self.n` (1 when greedy).
+            temperature: sample at this temperature instead of the training one (sampled
+                validation); `rollout_logprobs` stay under the training temperature then.
+
+        Returns:
+            `B * n` rows (the n samples of a prompt contiguous, all input columns repeated,
+            `uid` included) with `responses`, `response_mask` `(B*n, R)` (R = longest
+            response), `response_length`, `rollout_logprobs`, `weight_version`,
+            `response_text`.
+        """
+        n = n if n is not None else (1 if greedy else self.n)
+        rows = batch.repeat_interleave(n) if n > 1 else batch
+        ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
+        prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]  # left padding dropped
+        longest = max(map(len, prompts))
+        if longest + self.max_new_tokens > self.max_model_len:  # vLLM would cut the response short
+            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens {self.max_new_tokens} exceeds the "
+                             f"engine's max_model_len {self.max_model_len}; raise max_model_len or drop long prompts")
+        seeds = [None] * len(rows) if greedy else torch.randint(
+            0, 2**31 - 1, (len(rows),), generator=self.generator).tolist()
+        params = [vllm_compat.sampling_params(greedy=greedy, top_p=self.top_p, top_k=self.top_k,
+                                              max_tokens=self.max_new_tokens,
+                                              stop_token_ids=self.stop_token_ids, seed=s,
+                                              temperature=(temperature or self.temperature) / self.temperature)
+                  for s in seeds]
+        self._wake()
+        outputs = vllm_compat.generate_tokens(self.engine, prompts, params)
+        if self.enable_sleep_mode:
+            self.sleep()
+        width = max(len(tokens) for tokens, _ in outputs)
+        responses = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.int64)
+        response_mask = torch.zeros((len(rows), width), dtype=torch.int64)
+        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (tokens, token_logprobs) in enumerate(outputs):
+            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            response_mask[i, :len(tokens)] = 1
+            logprobs[i, :len(tokens)] = torch.tensor(token_logprobs, dtype=torch.float32)
+        lengths = response_mask.sum(-1)
+        texts = self.tokenizer.batch_decode([tokens for tokens, _ in outputs], skip_special_tokens=True)
+        text_column = np.empty(len(texts), dtype=object)
+        text_column[:] = texts
+        return rows.with_columns(**{
+            RESPONSES: responses, RESPONSE_MASK: response_mask, RESPONSE_LENGTH: lengths,
+            ROLLOUT_LOGPROBS: logprobs, RESPONSE_TEXT: text_column,
+            WEIGHT_VERSION: torch.full((len(rows),), self._weight_version, dtype=torch.int64),
+        })
+
+    # ------------------------------------------------------------------------------ pipelining
+    def prefetch(self, prompts: Batch) -> int:
+        """Sample rollouts for `prompts` now, with the weights held now, and keep them for
+        `take_or_generate`. Returns the number of rows kept."""
+        return self.prefetched.prefetch(prompts, self.generate)
+
+    def prefetch_next(self, batch: Batch) -> dict[str, float]:
+        """`prefetch` the share of the NEXT step's prompts that this rank will receive.
+
+        Args:
+            batch: this rank's share of the current step's prompts, with the next step's shares
+                in `batch.meta[NEXT_PROMPTS]` (see `HFRolloutWorker.prefetch_next`).
+
+        Returns:
+            `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).
+        """
+        return self.prefetched.prefetch_next(batch, self.generate)
+
+    def take_or_generate(self, batch: Batch) -> Batch:
+        """This step's rollouts: the ones prefetched for exactly these prompts, else sampled now.
+
+        Returns:
+            what `generate(batch)` returns (with `batch.meta`, less `NEXT_PROMPTS`), plus
+            `staleness` `(B*n,)`: versions the sampling weights lag the weights held now.
+        """
+        return self.prefetched.take_or_generate(batch, self.generate, self._weight_version)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | Path) -> None:
+        """The seed generator's state, the weight version and any prefetched rollouts (their
+        `meta` is not kept: `take_or_generate` replaces it); the weights come back from the
+        policy on resume."""
+        self.prefetched.save(path, self.generator, self._weight_version)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        self._weight_version = self.prefetched.load(path, self.generator)
+
+    # ------------------------------------------------------------------------------ weights
+    def load_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
+        """Stream new weights into the running engine, bucket by bucket.
+
+        Each bucket is checked (names, shapes) before any of it is sent; tied parameters may be
+        sent under either name (once is enough). The update must contain every tensor of the
+        model: vLLM re-packs a layer from the tensors it received.
+
+        Returns:
+            `{"loaded": number of tensors, "bytes": bytes received, "version": version}`.
+
+        Raises:
+            KeyError: a name that is not a parameter or buffer of this model.
+            ValueError: a shape mismatch, naming the parameter; or tensors missing at the end
+                (the engine's weights are then inconsistent: send a full update).
+        """
+        loaded, nbytes, seen = 0, 0, set()
+        self._wake()
+        vllm_compat.begin_weight_update(self.engine)
+        try:
+            for bucket in buckets:
+                send = []
+                for name, tensor in bucket:
+                    canonical = self._check(name, tensor)
+                    if canonical not in seen:  # a tied tensor sent under both names goes once
+                        seen.add(canonical)
+                        send.append((canonical, tensor))
+                vllm_compat.load_bucket(self.engine, send)
+                loaded += len(bucket)
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            vllm_compat.finish_weight_update(self.engine)
+        missing = sorted(set(self._shapes) - seen)
+        if missing:
+            raise ValueError(f"load_weights: the update lacks {len(missing)} of the model's {len(self._shapes)} "
+                             f"tensors, e.g. {missing[:3]}; vLLM needs whole layers: send every tensor")
+        self._weight_version = int(version)
+        return {"loaded": loaded, "bytes": nbytes, "version": int(version)}
+
+    def _check(self, name: str, tensor: Tensor) -> str:
+        canonical = self._alias.get(name, name)
+        if canonical not in self._shapes:
+            raise KeyError(f"load_weights: unknown parameter {name!r}; the rollout model has "
+                           f"{len(self._shapes)} tensors, e.g. {next(iter(self._shapes))!r}")
+        if tuple(tensor.shape) != self._shapes[canonical]:
+            raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout "
+                             f"model expects {self._shapes[canonical]}")
+        return canonical
+
+    # ------------------------------------------------------------------------------ memory
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory between rollouts (level 1: offload weights, drop KV cache;
+        level 2: drop weights too, reload them with `load_weights` after `wake_up`)."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("sleep() needs VLLMRolloutWorker(enable_sleep_mode=True) (GPU only)")
+        vllm_compat.sleep(self.engine, level)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if not self.enable_sleep_mode:
+            raise RuntimeError("wake_up() needs VLLMRolloutWorker(enable_sleep_mode=True) (GPU only)")
+        vllm_compat.wake_up(self.engine)
+        self._asleep = False
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.wake_up()
+
+
+def _generation_eos(model_path: str) -> list[int]:
+    """eos ids of the model's generation config (what `HFRolloutWorker` stops on besides the
+    tokenizer's eos)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: transformers derives one from the model config
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _weight_spec(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """`({state-dict name: shape}, {tied alias: canonical name})` of the HF model, built on the
+    meta device (no memory). The canonical name of tied tensors is the first one (the input
+    embedding), as the policy's `weight_buckets` sends it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    shapes, alias, first = {}, {}, {}
+    persistent = set(model.state_dict())
+    named = [*model.named_parameters(remove_duplicate=False),
+             *((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent)]
+    for name, tensor in named:
+        canonical = first.setdefault(id(tensor), name)
+        if canonical == name:
+            shapes[name] = tuple(tensor.shape)
+        else:
+            alias[name] = canonical
+    return shapes, alias
+

