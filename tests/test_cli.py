@@ -154,3 +154,13 @@ def test_train_names_a_tokenizer_without_chat_template_and_the_fix(tmp_path, cap
     assert code == 1, err
     assert f"the tokenizer at {model} has no chat template" in err and "data.apply_chat_template=false" in err
     assert "Traceback" not in err
+
+
+def test_model_import_names_a_missing_or_non_gguf_file(tmp_path, capsys):
+    assert main(["model", "import", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "m")]) == 1
+    assert "nope.gguf" in capsys.readouterr().err
+    fake = tmp_path / "weights.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf file")
+    assert main(["model", "import", str(fake), "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "weights.gguf" in err and "GGUF" in err and not (tmp_path / "m").exists()

@@ -172,6 +172,22 @@ def test_load_weights_switches_the_running_engine_to_the_new_weights(worker, mod
     worker.load_weights(_buckets(old, per_bucket=100), version=0)
 
 
+def test_a_corrupted_bucket_is_refused_by_the_transport_and_never_loaded(worker, model_paths, prompts, stop_ids):
+    from raygraph.cluster.errors import WeightSyncError
+    from raygraph.cluster.weights import InProcessTransport
+
+    transport = InProcessTransport()   # what a colocated sync uses; the collective one checks the same digests
+    transport.send(iter(_buckets(model_paths[1])), 9, corrupt_bucket=1)
+    with pytest.raises(WeightSyncError, match="bucket 1.*NOT loaded"):
+        transport.receive(worker.load_weights)
+    assert worker.weight_version == 0   # the update did not complete
+    # a whole verified update afterwards puts the engine back on the first model, token for token
+    transport.send(iter(_buckets(model_paths[0], per_bucket=100)), 0)
+    assert transport.receive(worker.load_weights)["weights/verified"] == 1.0
+    hf = HFRolloutWorker(model_path=model_paths[0], stop_token_ids=stop_ids, **SAMPLING)
+    assert torch.equal(worker.generate(prompts, greedy=True)[RESPONSES], hf.generate(prompts, greedy=True)[RESPONSES])
+
+
 def test_an_incomplete_update_is_refused(worker, model_paths):
     partial = [b for b in _buckets(model_paths[0])][:1]
     with pytest.raises(ValueError, match="lacks"):
