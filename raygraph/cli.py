@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="operands are 0..MAX (default 29: 900 distinct problems); answer (a+b) mod 10")
     toy.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     toy.set_defaults(run=_data_toy)
+    words = data_commands.add_parser("word-problems", help="write train/val parquet of arithmetic word problems "
+                                                           "answered as '#### <n>' (for a real instruct model)")
+    words.add_argument("--out", required=True, help="output directory")
+    words.add_argument("--n-train", type=int, default=512, help="training problems (default 512)")
+    words.add_argument("--n-val", type=int, default=64, help="held-out validation problems (default 64)")
+    words.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    words.set_defaults(run=_data_word_problems)
     gsm8k = data_commands.add_parser("gsm8k", help="convert a local GSM8K file (jsonl or parquet) to parquet")
     gsm8k.add_argument("--input", required=True, help="GSM8K file with question/answer fields")
     gsm8k.add_argument("--out", required=True,
@@ -160,6 +167,14 @@ def _data_toy(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"raygraph data toy: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    print(f"wrote {train_path} ({args.n_train} rows) and {val_path} ({args.n_val} rows)")
+    return EXIT_OK
+
+
+def _data_word_problems(args: argparse.Namespace) -> int:
+    from raygraph.data.word_problems import write_word_problems
+
+    train_path, val_path = write_word_problems(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
     print(f"wrote {train_path} ({args.n_train} rows) and {val_path} ({args.n_val} rows)")
     return EXIT_OK
 

@@ -36,4 +36,4 @@ def test_sample_dumps_every_n_steps_and_console_lines(tmp_path):
     assert path.name == "train_step_000005.jsonl"
     assert json.loads(path.read_text()) == {"step": 5, "uid": "a", "score": 1.0, "prompt": "1+1=", "response": "2"}
     [line] = console_lines([{"score": 0.5, "prompt": "x" * 300, "response": "y\nz"}], width=20)
-    assert "score=0.5" in line and "'xxxxxxxxxxxxxxxxx...'" in line and "'y z'" in line
+    assert "score=0.5" in line and "'...xxxxxxxxxxxxxxxxx'" in line and "'y z'" in line

@@ -57,6 +57,10 @@ class ModelConfig(_Section):
 
 
 class ToyDataConfig(_Section):
+    task: Literal["arith", "word_problems"] = Field(
+        "arith", description="arith: 'a+b=' -> (a+b) mod 10 for the tiny demo model (raygraph.data.toy); "
+        "word_problems: arithmetic word problems answered as '#### <n>' for a real instruct model "
+        "(raygraph.data.word_problems; task_args is not used).")
     n_train: int = Field(80, ge=1, description="Training problems to generate (distinct from validation).")
     n_val: int = Field(20, ge=1, description="Held-out validation problems to generate; the default task "
                        "has 100 problems in all (task_args.max_operand raises that).")

@@ -12,6 +12,7 @@ two extras so that mixed-source batches have uniform columns:
 | ``gsm8k`` | openai/gsm8k, gsm8k | strict: the number after the LAST ``####``; no ``####`` scores 0 |
 | ``gsm8k_flexible`` | (by name only) | as ``gsm8k``, falling back to the last number in the text |
 | ``math_boxed`` | math, lighteval/MATH, ... | content of the last ``\\boxed{}`` equals the ground truth after light normalisation |
+| ``word_problems`` | word_problems | 1 for a correct ``#### <n>`` final line, 0.5 for the format alone (one ``####``, on the last line) |
 
 GSM8K is strict by default (as verl's default): the prompt asks for ``####``, and rewarding
 the last number instead teaches the policy to stop following the format.
@@ -24,7 +25,7 @@ from decimal import Decimal, InvalidOperation
 
 from raygraph.rewards.registry import RewardRegistry, RewardResult
 
-__all__ = ["REWARDS", "toy_arith", "gsm8k", "gsm8k_flexible", "math_boxed",
+__all__ = ["REWARDS", "toy_arith", "gsm8k", "gsm8k_flexible", "math_boxed", "word_problems",
            "last_boxed", "normalize_math"]
 
 REWARDS = RewardRegistry()
@@ -62,6 +63,22 @@ def gsm8k(response_text: str, ground_truth: str, extra_info: dict | None = None)
     if not found:
         return _result(False, False)
     return _result(_same_number(found[-1], str(ground_truth)), True)
+
+
+@REWARDS.register("word_problems", sources=("word_problems",))
+def word_problems(response_text: str, ground_truth: str, extra_info: dict | None = None) -> RewardResult:
+    """Format-learning reward: the answer must be the last line, `#### <number>`, written once.
+
+    Score: 1 when that number is the ground truth, 0.5 for the format with a wrong number, 0
+    otherwise (no `####`, several, or text after it: repeating `#### n` until the length cap must
+    not pay). Extras `acc` (correct and formatted) and `format_ok`.
+    """
+    lines = [line.strip() for line in response_text.strip().splitlines() if line.strip()]
+    found = _HASH_ANSWER.fullmatch(lines[-1].rstrip(".")) if lines else None
+    formatted = found is not None and response_text.count("####") == 1
+    correct = formatted and _same_number(found.group(1), str(ground_truth))
+    return RewardResult(1.0 if correct else 0.5 if formatted else 0.0,
+                        {"acc": float(correct), "format_ok": float(formatted)})
 
 
 @REWARDS.register("gsm8k_flexible")

@@ -50,14 +50,22 @@ class SampleDumps:
 
 
 def console_lines(records: list[dict], width: int = 100) -> list[str]:
-    """A few records as one shortened line each: `score ... | prompt -> response`."""
-    def short(text) -> str:
-        text = " ".join(str(text).split())
+    """A few records as one shortened line each: `score ... | ...end of prompt -> response...`
+    (a chat prompt's end holds the question; a response's start says what the model did)."""
+    def flat(text) -> str:
+        return " ".join(str(text).split())
+
+    def head(text) -> str:
+        text = flat(text)
         return text if len(text) <= width else text[:width - 3] + "..."
+
+    def tail(text) -> str:
+        text = flat(text)
+        return text if len(text) <= width else "..." + text[-(width - 3):]
 
     lines = []
     for i, r in enumerate(records, start=1):
         score = "n/a" if r.get("score") is None else f"{r['score']:.3g}"
-        lines.append(f"[raygraph]   sample {i}: score={score} | {short(r.get('prompt', ''))!r} -> "
-                     f"{short(r.get('response', ''))!r}")
+        lines.append(f"[raygraph]   sample {i}: score={score} | {tail(r.get('prompt', ''))!r} -> "
+                     f"{head(r.get('response', ''))!r}")
     return lines

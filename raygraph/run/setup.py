@@ -12,6 +12,7 @@ from pathlib import Path
 
 from raygraph.config import to_yaml
 from raygraph.data.toy import write_toy_dataset
+from raygraph.data.word_problems import write_word_problems
 from raygraph.models.tiny import build_tiny_lm, built_size
 
 __all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "quiet_progress_bars"]
@@ -58,7 +59,10 @@ def ensure_assets(cfg) -> None:
     if toy is not None and not all(Path(f).is_file() for f in files):
         out_dir = Path(cfg.data.train_files[0]).parent
         log.info("writing toy dataset to %s", out_dir)
-        write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
+        if toy.task == "word_problems":
+            write_word_problems(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed)
+        else:
+            write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"data files not found: {', '.join(missing)} "
