@@ -65,7 +65,8 @@ ENGINE = "hf"   # raygraph's rollout engine here (--engine): TRL generates with 
 def raygraph_overrides(model_path: str, size: str, dtype: str) -> list[str]:
     model = (["model.build_tiny=false"] if size == "model"
              else ["model.build_tiny=true", f"model.tiny_size={size}"])
-    return [f"model.path={model_path}", *model, f"model.dtype={dtype}", f"rollout.engine={ENGINE}",
+    engine = os.environ.get("RAYGRAPH_BENCH_ENGINE", ENGINE)
+    return [f"model.path={model_path}", *model, f"model.dtype={dtype}", f"rollout.engine={engine}",
             "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=16", "rollout.micro_batch_size=64",
             "actor.kl_loss_coef=0.04", "actor.kl_loss_kind=k3", "actor.mini_batch_size=64",
             "actor.micro_batch_size=64", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",
@@ -252,8 +253,7 @@ def main() -> None:
         print(json.dumps(trl_worker(**json.loads(args.trl_worker))))
         return
     os.environ["HF_HUB_OFFLINE"] = "1"
-    global ENGINE
-    ENGINE = args.engine
+    os.environ["RAYGRAPH_BENCH_ENGINE"] = args.engine   # read by raygraph_overrides
     if not Path(TRAIN_FILE).is_file():
         from raygraph.config import load_config
         from raygraph.run.setup import ensure_assets

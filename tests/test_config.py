@@ -64,9 +64,14 @@ def test_contract_key_spellings():
 
 
 def _models():
-    return [obj for obj in vars(schema_module).values()
-            if isinstance(obj, type) and issubclass(obj, pydantic.BaseModel) and obj.__module__ == schema_module.__name__
-            and not obj.__name__.startswith("_")]
+    """Every config section of the schema's modules (`Section` itself has no fields)."""
+    from raygraph.config import training_schema
+    from raygraph.config.section import Section
+
+    modules = (schema_module, training_schema)
+    return [obj for module in modules for obj in vars(module).values()
+            if isinstance(obj, type) and issubclass(obj, pydantic.BaseModel) and obj is not Section
+            and obj.__module__ == module.__name__]
 
 
 def test_every_field_is_documented_and_every_model_strict():

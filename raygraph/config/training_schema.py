@@ -1,0 +1,142 @@
+"""Config sections of what is trained and how: optimizers, actor, critic, reference, reward and
+the algorithm's knobs. Part of the schema (`raygraph.config.schema` assembles the whole config);
+every key is documented once, in its `Field(description=...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from raygraph.config.section import Section
+
+__all__ = ["OptimConfig", "ActorConfig", "CriticConfig", "ReferenceConfig", "RemoteRewardConfig", "RewardConfig",
+           "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig"]
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after "
+                                                                            "warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
+
+
+class ActorConfig(Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Policy optimizer.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
+    mini_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step (global, all "
+                                                                "ranks); null = the whole batch.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward on one rank "
+                                                        "(gradient accumulation).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Token-budget micro-batches for the policy and reference passes: also cap "
+        "each forward/backward at this many tokens (rows x (longest prompt + longest response), padding "
+        "trimmed); the gradient equals that of fixed-size micro-batches. null = rows only.")
+    policy_loss: str = Field("ppo", description="Policy loss by registry name (raygraph.algos.losses).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high "
+                                                    "(DAPO clip-higher when > clip_low).")
+    dual_clip: float = Field(3.0, description="Dual-clip constant c > 1 bounding the loss of negative-"
+                                              "advantage tokens (Ye et al. 2020).")
+    loss_agg: str = Field("token-mean", description="How token losses are reduced to one number, by name "
+                                                    "(raygraph.algos.losses.AGG_MODES).")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL(policy || reference) loss term; "
+                                                       "0 = off.")
+    kl_loss_kind: str = Field("k3", description="KL estimator of the loss term by registry name "
+                                                "(raygraph.algos.kl).")
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
+        "auto", description="Where the PPO ratio's old log-probs come from. recompute: a policy.logprobs "
+                            "pass before the update. rollout: the rollout engine's own log-probs (no extra "
+                            "pass; synchronous only; exact up to numerics when rollout and policy compute "
+                            "in the same precision, see rollout/logprob_diff_max). auto: no extra pass when "
+                            "the update is one on-policy optimizer step (ppo_epochs=1, one mini-batch, "
+                            "synchronous, no KL in the reward, no rollout correction; then old = the "
+                            "policy's own detached log-probs, exactly), else recompute.")
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip(cls, value: float) -> float:
+        if value <= 1:
+            raise ValueError("must be greater than 1: the dual-clip bound is c x advantage, and c <= 1 "
+                             "would clip below the ordinary PPO clip")
+        return value
+
+
+class CriticConfig(Section):
+    model_path: str | None = Field(None, description="Value model initialisation; null = model.path.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimizer.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the critic's global gradient norm to this value.")
+    ppo_epochs: int = Field(1, ge=1, description="Critic passes over each step's batch.")
+    mini_batch_size: int | None = Field(None, ge=1, description="Samples per critic optimizer step; null = "
+                                                                "the whole batch.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per critic forward/backward on one rank.")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Token budget of one critic "
+                                                   "forward/backward (as actor.max_tokens_per_micro_batch).")
+    value_clip: float = Field(0.5, gt=0, description="Clip new values to old values +- value_clip.")
+    loss_agg: str = Field("token-mean", description="How token value losses are reduced, by name "
+                                                    "(raygraph.algos.losses.AGG_MODES).")
+
+
+class ReferenceConfig(Section):
+    enabled: bool | None = Field(None, description="Run a frozen reference model; null = only when a KL "
+                                                   "term is used.")
+
+
+class RemoteRewardConfig(Section):
+    url: str = Field(description="HTTP endpoint that scores a batch of responses.")
+    timeout_s: float = Field(30.0, gt=0, description="Timeout of one request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a failed request.")
+    backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubled on each retry.")
+    auth_env: str | None = Field(None, description="Environment variable holding a bearer token, if any.")
+
+
+class RewardConfig(Section):
+    kind: Literal["rule", "model", "remote"] = Field("rule", description="rule functions, a reward model, or "
+                                                                         "a remote service.")
+    function: str | None = Field(None, description="rule: reward function by registry name "
+                                                   "(raygraph.rewards); null = chosen by each row's data_source.")
+    model_path: str | None = Field(None, description="model: the sequence-classification reward model.")
+    remote: RemoteRewardConfig | None = Field(None, description="remote: the scoring service.")
+
+
+class KLInRewardConfig(Section):
+    coef: float = Field(0.0, ge=0, description="Initial weight of the KL penalty subtracted from rewards; 0 = off.")
+    kind: str = Field("k1", description="KL estimator by registry name (raygraph.algos.kl).")
+    controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep coef fixed or adapt it "
+                                                                          "towards target_kl (Ziegler et al. 2019).")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: KL per sequence the controller aims for.")
+    horizon: int = Field(10000, ge=1, description="adaptive: samples over which coef adapts.")
+
+
+class RolloutCorrectionConfig(Section):
+    mode: Literal["off", "truncated_is", "masked_is"] = Field(
+        "off", description="Correct each token for the rollout engine's mismatch with the trainer, using "
+        "r = pi_old / pi_rollout with pi_old recomputed by the trainer (a policy.logprobs pass): "
+        "truncated_is weights its advantage by min(r, cap); masked_is drops tokens with r outside "
+        "[1/cap, cap] from the loss. Metrics: rollout/mismatch_kl, rollout/correction_*.")
+    cap: float = Field(2.0, gt=1.0, description="Truncation (truncated_is) or band (masked_is) of the ratio.")
+
+
+class AlgorithmConfig(Section):
+    advantage: str | None = Field(None, description="Advantage estimator by registry name "
+                                                      "(raygraph.algos.advantages), one of those the workflow "
+                                                      "accepts (its ADVANTAGES); null = the workflow's default. "
+                                                      "Workflows without advantages (sft, dpo) reject a value.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    norm_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
+    kl_in_reward: KLInRewardConfig = Field(default_factory=KLInRewardConfig,
+                                           description="KL penalty folded into the reward.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature beta.")
+    dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name.")
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig,
+                                                        description="Rollout-vs-trainer mismatch correction.")
+    is_cap: float = Field(2.0, ge=1.0, description="Asynchronous pipelining (placement.max_staleness > 0): "
+                                                   "each token of a stale rollout has its advantage weighted "
+                                                   "by min(pi_old / pi_rollout, is_cap) (truncated IS).")
