@@ -63,7 +63,8 @@ ENGINE = "hf"   # raygraph's rollout engine here (--engine): TRL generates with 
 
 
 def raygraph_overrides(model_path: str, size: str, dtype: str) -> list[str]:
-    model = (["model.build_tiny=false"] if size == "model"
+    # a real model's chat template adds a system prompt: the toy prompts are ~40 BPE tokens then
+    model = (["model.build_tiny=false", "data.max_prompt_length=128"] if size == "model"
              else ["model.build_tiny=true", f"model.tiny_size={size}"])
     engine = os.environ.get("RAYGRAPH_BENCH_ENGINE", ENGINE)
     return [f"model.path={model_path}", *model, f"model.dtype={dtype}", f"rollout.engine={engine}",
@@ -153,7 +154,7 @@ def trl_worker(model_path: str, steps: int, warmup: int, threads: int, dtype: st
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            self.whole_batch.append({"step_s": time.perf_counter() - self.start, **stages})
+            self.steps.append({"step_s": time.perf_counter() - self.start, **stages})
 
     rows = Dataset.from_parquet(TRAIN_FILE).to_list()
     dataset = Dataset.from_list([{"prompt": r["prompt"], "reward_model": r["reward_model"],
