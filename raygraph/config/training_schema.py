@@ -90,7 +90,8 @@ class ReferenceConfig(Section):
 
 class RemoteRewardConfig(Section):
     url: str = Field(description="HTTP endpoint that scores a batch of responses.")
-    timeout_s: float = Field(30.0, gt=0, description="Timeout of one request.")
+    timeout_s: float = Field(30.0, gt=0, description="Total deadline of one request attempt (connect, send, "
+                                                     "read the whole answer), in seconds.")
     max_retries: int = Field(3, ge=0, description="Retries of a failed request.")
     backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubled on each retry.")
     auth_env: str | None = Field(None, description="Environment variable holding a bearer token, if any.")
@@ -103,6 +104,9 @@ class RewardConfig(Section):
                                                    "(raygraph.rewards); null = chosen by each row's data_source.")
     model_path: str | None = Field(None, description="model: the sequence-classification reward model.")
     remote: RemoteRewardConfig | None = Field(None, description="remote: the scoring service.")
+    on_non_finite: Literal["fail", "zero"] = Field(
+        "fail", description="A NaN or Inf score (or extra): fail the step naming the reward and the sample's "
+        "uid, or score the sample 0 and count it in reward/non_finite (share of rows), with a warning.")
 
 
 class KLInRewardConfig(Section):

@@ -79,13 +79,16 @@ def _rollout_args(cfg) -> dict:
 def _reward_args(cfg) -> dict:
     reward = cfg.reward
     tokenizer = cfg.model.tokenizer_path or cfg.model.path
+    policy = {"on_non_finite": reward.on_non_finite}
     if reward.kind == "model":
-        return {"model_path": reward.model_path, "policy_tokenizer_path": tokenizer, "dtype": cfg.model.dtype}
+        return {"model_path": reward.model_path, "policy_tokenizer_path": tokenizer, "dtype": cfg.model.dtype,
+                **policy}
     if reward.kind == "remote":
         remote = reward.remote
         return {"url": remote.url, "tokenizer_path": tokenizer, "timeout_s": remote.timeout_s,
-                "max_retries": remote.max_retries, "backoff_s": remote.backoff_s, "auth_env": remote.auth_env}
-    return {"tokenizer_path": tokenizer, "function": reward.function}
+                "max_retries": remote.max_retries, "backoff_s": remote.backoff_s, "auth_env": remote.auth_env,
+                **policy}
+    return {"tokenizer_path": tokenizer, "function": reward.function, **policy}
 
 
 def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:

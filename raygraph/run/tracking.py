@@ -29,16 +29,25 @@ _HEADLINE = {
 }
 
 
-def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+NON_FINITE_COUNT = "health/non_finite_metrics"
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """Every numeric metric as a float, non-finite ones included (a NaN is news, never dropped),
+    plus `health/non_finite_metrics`, how many of them are NaN or Inf."""
     out = {}
     for key, value in metrics.items():
         try:
-            value = float(value)
+            out[key] = float(value)
         except (TypeError, ValueError):
             continue
-        if math.isfinite(value):
-            out[key] = value
+    out[NON_FINITE_COUNT] = float(sum(not math.isfinite(v) for v in out.values()))
     return out
+
+
+def _jsonable(value: float) -> float | str:
+    """JSON has no NaN/Infinity: write them as the strings "nan", "inf", "-inf"."""
+    return value if math.isfinite(value) else str(value)
 
 
 class ConsoleProgress:
@@ -175,8 +184,12 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, Any], force: bool = False) -> None:
         """Append `metrics` to metrics.jsonl; on every `log_every`-th step (or with `force`) also
         send them to the console, MLflow and Ray metrics."""
-        clean = _finite(metrics)
-        self.jsonl.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        clean = _numbers(metrics)
+        bad = sorted(k for k, v in clean.items() if not math.isfinite(v))
+        if bad:
+            log.warning("step %d: non-finite metrics %s", step, ", ".join(f"{k}={clean[k]}" for k in bad))
+        self.jsonl.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in clean.items()}},
+                                    sort_keys=True, allow_nan=False) + "\n")
         self.jsonl.flush()
         if not force and step % self.log_every:
             return

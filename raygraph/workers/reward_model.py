@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, TOKEN_LEVEL_SCORES, Batch
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, UID, Batch
 from raygraph.models.loading import load_reward_model, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask
+from raygraph.rewards.batching import reward_batch
 from raygraph.workers.distributed import default_device
 
 __all__ = ["RewardModelWorker"]
@@ -33,11 +34,14 @@ class RewardModelWorker:
         dtype, attn_impl: see `raygraph.models.loading`.
         micro_batch_size: sequences per forward pass.
         device: default: the current CUDA device, else CPU.
+        on_non_finite: "fail" | "zero", what a NaN/Inf score does (`raygraph.rewards.batching`).
     """
 
     def __init__(self, *, model_path: str, policy_tokenizer_path: str | None = None, dtype: str = "float32",
-                 attn_impl: str = "auto", micro_batch_size: int = 16, device: str | None = None) -> None:
+                 attn_impl: str = "auto", micro_batch_size: int = 16, device: str | None = None,
+                 on_non_finite: str = "fail") -> None:
         self.device = default_device(device)
+        self.model_path, self.on_non_finite = model_path, on_non_finite
         self.tokenizer = load_tokenizer(model_path)
         self.policy_tokenizer = load_tokenizer(policy_tokenizer_path) if policy_tokenizer_path else self.tokenizer
         self.model = load_reward_model(model_path, dtype=dtype, attn_impl=attn_impl,
@@ -74,8 +78,5 @@ class RewardModelWorker:
         seqs = self._sequences(batch)
         scores = torch.cat([self._score(seqs[i:i + self.micro_batch_size]).cpu()
                             for i in range(0, len(seqs), self.micro_batch_size)])
-        response_mask = batch[RESPONSE_MASK]
-        last = (response_mask.sum(-1) - 1).clamp(min=0)  # (B,)
-        token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-        token_scores[torch.arange(len(last)), last] = scores
-        return Batch({TOKEN_LEVEL_SCORES: token_scores})
+        return reward_batch(scores.tolist(), {}, batch[RESPONSE_MASK], source=f"reward model {self.model_path}",
+                            uids=list(batch[UID]) if UID in batch else None, on_non_finite=self.on_non_finite)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -12,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from raygraph.batch import TOKEN_LEVEL_SCORES
-from raygraph.workers.reward_remote import RemoteRewardWorker
+from raygraph.batch import TOKEN_LEVEL_SCORES, UID
+from raygraph.rewards.batching import NonFiniteRewardError
+from raygraph.workers.reward_remote import RemoteRewardWorker, token_sent_in_clear
 
 
 class _Service:
@@ -37,12 +39,24 @@ class _Service:
         n = len(body["responses"]) - (1 if action == "short" else 0)
         answer = {"scores": [float(len(r)) for r in body["responses"]][:n],
                   "extras": {"is_seven": [float(r == "7") for r in body["responses"]][:n]}}
+        if action in _BAD_SECOND_SCORE:
+            answer["scores"][1] = _BAD_SECOND_SCORE[action]
         data = json.dumps(answer).encode()
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
+        if action == "drip":               # one byte every 0.2 s: each read is quick, the whole is not
+            for byte in data:
+                if self.release.wait(timeout=0.2):
+                    return
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            return
         handler.wfile.write(data)
+
+
+_BAD_SECOND_SCORE = {"nan": float("nan"), "inf": float("inf"), "string": "0.5", "null": None}
 
 
 @pytest.fixture
@@ -75,7 +89,8 @@ def serve():
 @pytest.fixture
 def batch(tokenizer_path, make_response_batch):
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    return make_response_batch(tok, ["7", "123", ""], ["7", "9", "1"], ["toy_arith", "gsm8k", "toy_arith"])
+    out = make_response_batch(tok, ["7", "123", ""], ["7", "9", "1"], ["toy_arith", "gsm8k", "toy_arith"])
+    return out.with_columns(**{UID: ["u0", "u1", "u2"]})
 
 
 def test_success_protocol_auth_and_placement(serve, batch, tokenizer_path, monkeypatch):
@@ -125,3 +140,46 @@ def test_missing_auth_variable_fails_at_construction(tokenizer_path, monkeypatch
     monkeypatch.delenv("RM_TOKEN_UNSET", raising=False)
     with pytest.raises(ValueError, match="RM_TOKEN_UNSET"):
         RemoteRewardWorker("http://127.0.0.1:9/x", tokenizer_path, auth_env="RM_TOKEN_UNSET")
+
+
+def test_timeout_is_a_total_deadline_against_a_dripping_server(serve, batch, tokenizer_path):
+    # before: timeout_s was per socket read, so a server dripping a byte every 0.2 s kept one
+    # request going for the length of the body (~110 bytes = 22 s here, 221 s in the report)
+    url, service = serve("drip")
+    worker = RemoteRewardWorker(url, tokenizer_path, timeout_s=0.5, max_retries=1, backoff_s=0.01)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"failed after 2 attempts \(deadline 0.5s each\).*0.5s deadline"):
+        worker.score(batch)
+    assert time.monotonic() - start < 0.5 * 2 + 1.0
+    assert len(service.requests) == 2
+
+
+@pytest.mark.parametrize("action, shown", [("string", "'0.5' (str)"), ("null", "None (NoneType)")])
+def test_string_or_null_score_names_the_service_and_row(serve, batch, tokenizer_path, action, shown):
+    url, _ = serve(action)
+    with pytest.raises(TypeError, match=rf"reward service {url} returned {re.escape(shown)} as the score "
+                                        r"of row 1 \(uid 'u1'\)"):
+        RemoteRewardWorker(url, tokenizer_path, timeout_s=2).score(batch)
+
+
+@pytest.mark.parametrize("action", ["nan", "inf"])
+def test_non_finite_score_fails_by_default_naming_service_and_uid(serve, batch, tokenizer_path, action):
+    url, _ = serve(action)
+    with pytest.raises(NonFiniteRewardError, match=rf"reward service {url} returned a non-finite score for "
+                                                   r"1 of 3 samples: row 1 \(uid 'u1'\)"):
+        RemoteRewardWorker(url, tokenizer_path, timeout_s=2).score(batch)
+
+
+def test_non_finite_score_zeroed_and_counted_when_asked(serve, batch, tokenizer_path, caplog):
+    url, _ = serve("nan")
+    out = RemoteRewardWorker(url, tokenizer_path, timeout_s=2, on_non_finite="zero").score(batch)
+    assert out[TOKEN_LEVEL_SCORES].sum(dim=1).tolist() == [1.0, 0.0, 0.0]   # row 1's NaN -> 0
+    assert out["reward_extra.non_finite"].tolist() == [0.0, 1.0, 0.0]     # reward/non_finite = 1/3
+    assert "uid 'u1'" in caplog.text
+
+
+@pytest.mark.parametrize("url, clear", [("http://rm.example.com/score", True), ("http://10.0.0.5:80/s", True),
+                                        ("https://rm.example.com/score", False), ("http://127.0.0.1:9/s", False),
+                                        ("http://localhost:8000/s", False), ("http://[::1]:9/s", False)])
+def test_bearer_token_over_plain_http_to_another_host_is_flagged(url, clear):
+    assert token_sent_in_clear(url) is clear

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from raygraph.batch import TOKEN_LEVEL_SCORES
+from raygraph.batch import TOKEN_LEVEL_SCORES, UID
+from raygraph.rewards import RewardResult
+from raygraph.rewards.batching import NonFiniteRewardError
 from raygraph.workers.reward_rule import RuleRewardWorker
 
 
@@ -43,3 +45,41 @@ def test_unknown_source_and_function_are_rejected(tokenizer_path, make_response_
         RuleRewardWorker(tokenizer_path).score(batch)
     with pytest.raises(ValueError, match="valid names"):
         RuleRewardWorker(tokenizer_path, function="nope")
+
+
+def _nan_for_eights(text, truth, info):
+    """A rule reward that breaks on one input: NaN for the response "8"."""
+    return RewardResult(score=float("nan") if text == "8" else float(text == truth), extras={"acc": 1.0})
+
+
+@pytest.fixture
+def sixteen_rows(tokenizer_path, make_response_batch):
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    texts = ["7"] * 15 + ["8"]                     # one row in 16 is enough to poison a step
+    batch = make_response_batch(tok, texts, ["7"] * 16, ["toy_arith"] * 16)
+    return batch.with_columns(**{UID: [f"p{i // 4}" for i in range(16)]})
+
+
+def test_a_nan_reward_fails_naming_the_function_and_uid(tokenizer_path, sixteen_rows, monkeypatch):
+    # before: the NaN went into the batch, every optimizer step was skipped and the run said "done"
+    monkeypatch.setattr("raygraph.workers.reward_rule.get", lambda name: _nan_for_eights)
+    worker = RuleRewardWorker(tokenizer_path, function="flaky")
+    with pytest.raises(NonFiniteRewardError, match=r"reward function 'flaky' returned a non-finite score for "
+                                                   r"1 of 16 samples: row 15 \(uid 'p3'\): nan"):
+        worker.score(sixteen_rows)
+
+
+def test_policy_zero_scores_the_row_zero_and_counts_it(tokenizer_path, sixteen_rows, monkeypatch):
+    monkeypatch.setattr("raygraph.workers.reward_rule.get", lambda name: _nan_for_eights)
+    out = RuleRewardWorker(tokenizer_path, function="flaky", on_non_finite="zero").score(sixteen_rows)
+    per_row = out[TOKEN_LEVEL_SCORES].sum(dim=1)
+    assert per_row.tolist() == [1.0] * 15 + [0.0]
+    assert out["reward_extra.non_finite"].tolist() == [0.0] * 15 + [1.0]   # reward/non_finite = 1/16
+
+
+def test_a_string_score_names_the_function_and_row(tokenizer_path, sixteen_rows, monkeypatch):
+    monkeypatch.setattr("raygraph.workers.reward_rule.get",
+                        lambda name: lambda text, truth, info: RewardResult(score="1.0"))
+    with pytest.raises(TypeError, match=r"reward function 'str' returned '1.0' \(str\) as the score of row 0 "
+                                        r"\(uid 'p0'\); a score must be a number"):
+        RuleRewardWorker(tokenizer_path, function="str").score(sixteen_rows)
