@@ -18,8 +18,11 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
 EPILOG = """\
 exit codes:
   0  success (validate: the config is valid; check-env: no problems found)
-  1  check-env found problems, or a command failed while running
+  1  check-env found problems, or a command failed while running (train: also a run
+     whose every optimizer step was skipped)
   2  invalid config or command line (every config problem is printed)
+  128+N  train stopped by signal N: 143 after SIGTERM (ray job stop), 130 after Ctrl-C;
+     the newest complete checkpoint is kept, trainer.resume=auto continues from it
 
 examples:
   raygraph validate configs/grpo_toy.yaml rollout.n=8 actor.optim.lr=3e-6
@@ -130,8 +133,43 @@ def _validate(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_BAD_CONFIG
     print(to_yaml(cfg), end="")
+    if not _data_ok(cfg, args.config):
+        return EXIT_BAD_CONFIG
     print("config OK")
     return EXIT_OK
+
+
+def _data_ok(cfg, config: str) -> bool:
+    """Read the datasets and the tokenizer as `train` will, and report every data problem
+    (`raygraph.run.data_checks`). Data or a model that `train` builds (data.toy, model.build_tiny)
+    and that does not exist yet is said and skipped."""
+    from raygraph.config.workflow_ref import load_workflow
+    from raygraph.run.feed import StepData
+    from raygraph.run.setup import check_tiny_model_home
+
+    files = [*cfg.data.train_files, *cfg.data.val_files]
+    tokenizer = cfg.model.tokenizer_path or cfg.model.path
+    pending = [what for what, missing in (
+        ("data.toy writes the data", cfg.data.toy is not None and not all(Path(f).is_file() for f in files)),
+        ("model.build_tiny builds the model", cfg.model.build_tiny and not Path(tokenizer).exists()))
+        if missing]
+    try:
+        if cfg.model.build_tiny and not Path(cfg.model.path).exists():
+            check_tiny_model_home(cfg)
+    except FileNotFoundError as exc:
+        print(f"model problem in {config}:\n  - {exc}", file=sys.stderr)
+        return False
+    if pending:
+        print(f"# data not checked yet: {' and '.join(pending)} at the start of train, where it is checked")
+        return True
+    try:
+        data = StepData.load(cfg, load_workflow(cfg.workflow).data_format)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"data problem in {config}:\n  - {exc}", file=sys.stderr)
+        return False
+    n_val = 0 if data.val_prompts is None else len(data.val_prompts)
+    print(f"# data OK: {len(data.train)} training rows, {n_val} validation prompts")
+    return True
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -140,16 +178,21 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_BAD_CONFIG
     from raygraph.cluster import PlacementError, RoleError, WeightSyncError
     from raygraph.run import trainer
+    from raygraph.run.health import TrainingFailed
+    from raygraph.run.stopping import RunStopped
 
     try:
-        trainer.run(cfg, address=args.address or cfg.trainer.ray_address)
-    except (PlacementError, RoleError, WeightSyncError, FileNotFoundError, ValueError) as exc:
+        summary = trainer.run(cfg, address=args.address or cfg.trainer.ray_address)
+    except RunStopped as exc:
+        print(f"raygraph train: {exc}", file=sys.stderr)
+        return 128 + exc.signum
+    except (PlacementError, RoleError, WeightSyncError, FileNotFoundError, ValueError, TrainingFailed) as exc:
         # Errors with a complete, actionable message: no traceback wall (RAYGRAPH_DEBUG=1 shows it).
         if os.environ.get("RAYGRAPH_DEBUG"):
             raise
         print(f"raygraph train: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK
+    return 128 + summary.stop_signal if summary.stop_signal else EXIT_OK
 
 
 def _check_env(args: argparse.Namespace) -> int:

@@ -5,23 +5,26 @@ reward, algorithm).
 Every model forbids unknown keys and is frozen (use `cfg.model_copy(update=...)` to derive a
 changed copy). Only single-field rules live here (types, ranges); rules that relate several
 keys live in `raygraph.config.checks`, and `raygraph.config.loading` turns both into messages.
-Relative paths are relative to the working directory of the `raygraph` command.
+Relative paths are relative to the working directory of the `raygraph` command; paths to user
+code (`plugins`, `file.py:fn` references) are stored absolute, so every actor imports the same file.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from raygraph.algos import advantages
+from raygraph.algos.user_code import absolute_ref
 from raygraph.config.section import Section
 from raygraph.config.training_schema import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
     KLInRewardConfig,
+    LoraConfig,
     OptimConfig,
     ReferenceConfig,
     RemoteRewardConfig,
@@ -30,7 +33,7 @@ from raygraph.config.training_schema import (
 )
 
 __all__ = [
-    "RaygraphConfig", "ModelConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
+    "RaygraphConfig", "ModelConfig", "LoraConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
     "ActorConfig", "CriticConfig", "ReferenceConfig", "RewardConfig", "RemoteRewardConfig",
     "AlgorithmConfig", "RolloutCorrectionConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
     "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
@@ -60,10 +63,16 @@ class ModelConfig(Section):
         "auto", description="Attention backend; auto = flash_attention_2 when installed on a GPU, else sdpa.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
                                                             "(saves memory, costs ~30% time).")
-    build_tiny: bool = Field(False, description="If true and model.path does not exist, build a random tiny "
-                                                "model there (raygraph.models.tiny); for CPU demos and tests.")
+    build_tiny: bool = Field(False, description="Train a random-init tiny model (raygraph.models.tiny), for CPU "
+                                                "demos and tests: built at model.path if missing, which must then "
+                                                "lie under trainer.output_dir/models/ (a missing path elsewhere is "
+                                                "an error, never replaced by a random model).")
     tiny_size: Literal["tiny", "small", "25m", "100m", "500m"] = Field(
         "tiny", description="Size preset of the tiny model built when model.build_tiny is true.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (docs/lora.md): "
+                                "the base stays frozen, the reference is the policy with its adapter "
+                                "disabled (no reference model), and weight syncs move the adapter only "
+                                "(merged weights to the vLLM engine). null = full fine-tuning.")
 
 
 class ToyDataConfig(Section):
@@ -265,6 +274,13 @@ class RaygraphConfig(Section):
     run_name: str | None = Field(None, description="Run name; null = a timestamp.")
     workflow: str = Field("grpo", description="Workflow by registry name (workflows/<name>.py) or path "
                                               "(my_algo.py:build).")
+    workflow_args: dict[str, Any] = Field(
+        default_factory=dict, description="Arguments of the workflow, checked against what it declares (the "
+        "keyword-only arguments of its build function, or its ARGS model); recorded with their defaults.")
+    plugins: list[str] = Field(default_factory=list, description="User code imported before the config is "
+                               "checked and in every process of the run: .py files (relative to the working "
+                               "directory) or module names. They register losses, estimators and rewards "
+                               "(raygraph.register_policy_loss, ...); see docs/custom-algorithm.md.")
     model: ModelConfig = Field(description="Policy model and how to load it.")
     data: DataConfig = Field(description="Datasets and prompt handling.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Response generation.")
@@ -278,6 +294,12 @@ class RaygraphConfig(Section):
     trainer: TrainerConfig = Field(description="The training loop.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _plugins(cls, value):
+        value = [value] if isinstance(value, str) else value
+        return [absolute_ref(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
 
     @field_validator("experiment", "run_name")
     @classmethod
@@ -329,6 +351,12 @@ class RaygraphConfig(Section):
                     and self.actor.mini_batch_size in (None, self.samples_per_step)
                     and self.algorithm.kl_in_reward.coef == 0)
         return "update" if one_step else "recompute"
+
+    @property
+    def reference_from_policy(self) -> bool:
+        """With model.lora the reference log-probs come from the policy's own model with its adapter
+        disabled (the frozen base IS the reference): no reference role is started."""
+        return self.model.lora is not None
 
     @property
     def uses_reference(self) -> bool:

@@ -81,7 +81,13 @@ def read_rows(files: str | Path | Sequence[str | Path]) -> list[tuple[str, int, 
         path = str(path)
         if not Path(path).is_file():
             raise FileNotFoundError(f"data file not found: {path}")
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as exc:  # pyarrow's errors for a file that is not parquet
+            raise ValueError(f"data file {path} is not a readable parquet file: {exc}") from None
+        if table.num_rows == 0:
+            raise ValueError(f"data file {path} is empty (0 rows)")
+        for i, row in enumerate(table.to_pylist()):
             out.append((path, i, row))
     return out
 

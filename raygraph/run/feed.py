@@ -12,6 +12,7 @@ from typing import Any
 from raygraph.batch import NEXT_PROMPTS, UID, Batch
 from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
 from raygraph.models.loading import load_tokenizer
+from raygraph.run.data_checks import check_data
 
 __all__ = ["StepData", "merge_outputs"]
 
@@ -60,10 +61,11 @@ class StepData:
                                          max_prompt_length=d.max_prompt_length,
                                          max_response_length=cfg.rollout.max_new_tokens,
                                          apply_chat_template=d.apply_chat_template)
+        val_set = prompts(d.val_files) if d.val_files else None
+        check_data(cfg, train, val_set.rows if val_set is not None else (), tokenizer)  # every problem at once
         sampler = ResumableSampler(len(train), d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)
         val = None
-        if d.val_files:
-            val_set = prompts(d.val_files)
+        if val_set is not None:
             n_val = min(len(val_set), d.val_prompts or len(val_set))
             val = val_set.to_batch(list(range(n_val)), epoch="val")
         return cls(train, sampler, val)

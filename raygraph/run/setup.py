@@ -42,13 +42,31 @@ class RunContext:
         return f"{self.cfg.experiment}/{self.run_name}"
 
 
+def tiny_model_home(cfg) -> Path:
+    """Where `model.build_tiny` may build: `<trainer.output_dir>/models/`."""
+    return Path(cfg.trainer.output_dir) / "models"
+
+
+def check_tiny_model_home(cfg) -> None:
+    """A missing `model.path` is built as a tiny model only inside `tiny_model_home`; anywhere
+    else it is taken for a real model that is not there (a typo), never silently replaced."""
+    home, path = tiny_model_home(cfg).resolve(), Path(cfg.model.path).resolve()
+    if home not in path.parents:
+        raise FileNotFoundError(
+            f"model.path {cfg.model.path} does not exist. model.build_tiny builds a random-init tiny model only "
+            f"under trainer.output_dir/models/ ({tiny_model_home(cfg)}/), never in place of a missing model "
+            "elsewhere: fix the path, set model.build_tiny=false, or point model.path into that folder")
+
+
 def ensure_assets(cfg) -> None:
     """Build the tiny model and write toy data when the config asks for them and they are missing."""
     model_path = Path(cfg.model.path)
     if cfg.model.build_tiny:
         existing = built_size(model_path)
         if existing is None:
-            log.info("building tiny model (%s) at %s", cfg.model.tiny_size, model_path)
+            check_tiny_model_home(cfg)
+            print(f"[raygraph] model.build_tiny: building a RANDOM-INIT tiny model ({cfg.model.tiny_size}) at "
+                  f"{model_path}; this run does not train a pretrained model", flush=True)
             build_tiny_lm(model_path, size=cfg.model.tiny_size, seed=cfg.trainer.seed)
         elif existing != cfg.model.tiny_size:
             raise ValueError(f"model.path {model_path} holds a tiny model of size {existing!r}, not "

@@ -9,10 +9,7 @@ Everything algorithm-specific lives in the workflow file; this loop never branch
 
 from __future__ import annotations
 
-import _thread
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 import ray
 
 from raygraph.algos.kl_control import make_kl_controller
+from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.graph import whole_batch
@@ -27,9 +25,11 @@ from raygraph.graph.executor import Executor
 from raygraph.run import checkpoint
 from raygraph.run.feed import StepData, merge_outputs
 from raygraph.run.graphs import build_graphs
+from raygraph.run.health import UpdateHealth
 from raygraph.run.role_specs import colocation, pools_for, role_specs
 from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import RunContext, prepare_run, start_ray
+from raygraph.run.stopping import RunStopped, StopFlag
 from raygraph.run.tracking import Tracker
 from raygraph.run.validation import run_validation
 from raygraph.run.warm_start import run_warm_start
@@ -47,51 +47,7 @@ class RunSummary:
     val_accuracy_end: float | None
     wall_s: float
     stopped_early: bool
-
-
-class _StopFlag:
-    """SIGTERM (`ray job stop`) or Ctrl-C: finish the current step, checkpoint, exit cleanly.
-
-    The step and its checkpoint get `timeout_s` (`trainer.stop_timeout_s`); past that, or on a
-    second signal, the main thread is interrupted and the run exits without a new checkpoint
-    (the newest complete one stays, see checkpoint.py). `ray job stop` SIGKILLs the driver
-    RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (Ray's default: 3 s); docs/cluster.md says how to set it.
-    """
-
-    def __init__(self, timeout_s: float):
-        self.requested = False
-        self.timeout_s = timeout_s
-        self._previous = {}
-        self._watchdog: threading.Timer | None = None
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("stop requested (signal %d): finishing this step, then checkpointing (at most %.0fs)",
-                    signum, self.timeout_s)
-        self._watchdog = threading.Timer(self.timeout_s, self._give_up)
-        self._watchdog.daemon = True
-        self._watchdog.start()
-
-    def _give_up(self):
-        log.warning("stop: no step boundary and checkpoint within %.0fs; exiting without a new checkpoint",
-                    self.timeout_s)
-        _thread.interrupt_main()
-
-    def __exit__(self, *exc):
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    stop_signal: int | None = None  # the signal that stopped the run early (`raygraph train` exits 128 + it)
 
 
 _TRAINED_ROLES = ("policy", "critic")  # optimizer state; every rank writes its shards into one dir
@@ -134,20 +90,37 @@ def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
 
 
 def run(cfg, address: str | None = None) -> RunSummary:
-    """Train with `cfg` (a validated `RaygraphConfig`); returns where the run went and how it did."""
+    """Train with `cfg` (a validated `RaygraphConfig`); returns where the run went and how it did.
+
+    A run stopped by a signal at a step boundary returns with `stopped_early` and `stop_signal`
+    set; one that could not reach a boundary in time raises `RunStopped` (`raygraph.run.stopping`).
+    Raises `TrainingFailed` when no step updated the policy (`raygraph.run.health`).
+    """
+    with StopFlag(cfg.trainer.stop_timeout_s) as stop:
+        try:
+            return _run(cfg, address, stop)
+        except KeyboardInterrupt:
+            if stop.requested:  # the stop timed out, or a second signal came
+                raise RunStopped(stop.signum) from None
+            raise
+
+
+def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
     started = time.perf_counter()
+    import_plugins(cfg.plugins)   # the driver too (the actors import them when they start)
     workflow = load_workflow(cfg.workflow)
     ctx = prepare_run(cfg)
     data = StepData.load(cfg, workflow.data_format)
     specs = role_specs(cfg, workflow.roles)
     step_graph, val_graph = build_graphs(cfg, workflow)   # before any actor starts: names checked
     start_ray(cfg, address)
+    stop.install()  # ray.init replaced the SIGTERM handler
     print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
     roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=cfg.placement.mode,
                         colocate=colocation(cfg, specs), placement_timeout_s=cfg.placement.placement_timeout_s,
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
                         bucket_bytes=cfg.placement.weight_bucket_mb << 20,
-                        weight_sync_verify=cfg.placement.weight_sync_verify)
+                        weight_sync_verify=cfg.placement.weight_sync_verify, plugins=cfg.plugins)
     tracker = executor = None
     status, steps_done, stopped = "FAILED", 0, False
     kl_cfg = cfg.algorithm.kl_in_reward
@@ -175,32 +148,38 @@ def run(cfg, address: str | None = None) -> RunSummary:
         val_start = validate(0).get("val/accuracy") if start_step == 0 else None
         roles.take_step_stats()  # start the per-stage clocks at the first step
         val_end = val_start
-        with _StopFlag(cfg.trainer.stop_timeout_s) as stop:
-            for step in range(start_step + 1, cfg.trainer.total_steps + 1):
-                t0 = time.perf_counter()
-                prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
-                prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
-                metrics = merge_outputs(executor.run(prompts))
-                records = metrics.pop(whole_batch.RECORDS, None)
-                if records is not None:
-                    tracker.log_samples(dumps.write(step, records, "train"), records)
-                metrics["timing/step_s"] = time.perf_counter() - t0
-                metrics.update(roles.take_step_stats())
-                metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
-                version = int(metrics.get("weights/version", version))
-                kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)
-                stopping = stop.requested  # read once: a signal may land anywhere in this iteration
-                last = step == cfg.trainer.total_steps
-                if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
-                    metrics.update(validate(step))
-                    val_end = metrics.get("val/accuracy", val_end)
-                tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
-                steps_done = step
-                if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                    _save(ctx, roles, step, data, kl_ctl, version)
-                if stopping:
-                    stopped = True
-                    break
+        health = UpdateHealth()
+        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+            if stop.requested:  # during set-up, warm start or validation: nothing new to save
+                stopped = True
+                break
+            t0 = time.perf_counter()
+            prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
+            prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
+            metrics = merge_outputs(executor.run(prompts))
+            records = metrics.pop(whole_batch.RECORDS, None)
+            if records is not None:
+                tracker.log_samples(dumps.write(step, records, "train"), records)
+            metrics["timing/step_s"] = time.perf_counter() - t0
+            metrics.update(roles.take_step_stats())
+            metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
+            version = int(metrics.get("weights/version", version))
+            kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)
+            health.observe(step, metrics)
+            stopping = stop.requested  # read once: a signal may land anywhere in this iteration
+            last = step == cfg.trainer.total_steps
+            if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
+                metrics.update(validate(step))
+                val_end = metrics.get("val/accuracy", val_end)
+            tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
+            steps_done = step
+            if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                _save(ctx, roles, step, data, kl_ctl, version)
+            if stopping:
+                stopped = True
+                break
+        if not stopped:
+            health.check()
         status = "KILLED" if stopped else "FINISHED"
     finally:
         if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
@@ -210,7 +189,8 @@ def run(cfg, address: str | None = None) -> RunSummary:
         roles.shutdown()
         if tracker is not None:
             tracker.close(status)
-    summary = RunSummary(ctx.run_dir, steps_done, val_start, val_end, time.perf_counter() - started, stopped)
+    summary = RunSummary(ctx.run_dir, steps_done, val_start, val_end, time.perf_counter() - started, stopped,
+                         stop.signum if stopped else None)
     _print_summary(summary)
     return summary
 

@@ -14,6 +14,7 @@ all-reduce) turns the sum of micro-batch losses into the mini-batch loss; the ex
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import warnings
@@ -28,6 +29,7 @@ from torch import nn
 from raygraph.algos import losses
 from raygraph.batch import Batch
 from raygraph.workers.distributed import all_reduce, full_tensor, lockstep, rank, world_size
+from raygraph.workers.safe_load import CheckpointError, dcp_load
 
 __all__ = [
     "MicroResult", "build_optimizer", "build_scheduler", "iter_weight_buckets", "load_train_state",
@@ -147,7 +149,8 @@ def run_minibatches(
 
     Returns:
         Means over the non-skipped optimizer steps of every loss term and token stat (global
-        over ranks), plus `grad_norm`, `skipped_steps` and `lr` (of the last step).
+        over ranks), plus `grad_norm`, `skipped_steps`, `optimizer_steps` (attempted, skipped
+        ones included) and `lr` (of the last step).
     """
     if len(batch) == 0 or epochs < 1:
         raise ValueError(f"need a non-empty batch and epochs >= 1, got {len(batch)} rows, {epochs} epochs")
@@ -195,6 +198,7 @@ def _summarise(step_values: list[dict[str, float]], norms: list[float], skipped:
     out = {name: float(table[keep, i].mean()) for i, name in enumerate(names)}
     out["grad_norm"] = float(torch.tensor(norms)[keep].mean())
     out["skipped_steps"] = float(sum(skipped))
+    out["optimizer_steps"] = float(len(skipped))
     return out
 
 
@@ -251,6 +255,34 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _extra_to_file(scheduler_state: dict, rng: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This rank's scheduler and RNG state as safetensors tensors + string metadata (JSON)."""
+    version, mt, gauss = rng["python"]
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    tensors = {"rng/torch": rng["torch"], "rng/numpy": torch.from_numpy(np.asarray(keys, dtype=np.uint32).copy()),
+               **{f"rng/cuda/{i}": t for i, t in enumerate(rng.get("cuda", []))}}
+    try:
+        scheduler_json = json.dumps(scheduler_state)
+    except TypeError as exc:
+        raise TypeError(f"save_train_state: the lr scheduler's state must be plain JSON data ({exc})") from exc
+    meta = {"scheduler": scheduler_json,
+            "python_rng": json.dumps([version, list(mt), gauss]),
+            "numpy_rng": json.dumps([kind, int(pos), int(has_gauss), float(cached)]),
+            "cuda_devices": str(len(rng.get("cuda", [])))}
+    return tensors, meta
+
+
+def _extra_from_file(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[dict, dict]:
+    """Inverse of `_extra_to_file`: (scheduler state, RNG state)."""
+    version, mt, gauss = json.loads(meta["python_rng"])
+    kind, pos, has_gauss, cached = json.loads(meta["numpy_rng"])
+    rng = {"torch": tensors["rng/torch"], "python": (version, tuple(mt), gauss),
+           "numpy": (kind, tensors["rng/numpy"].numpy(), pos, has_gauss, cached)}
+    if int(meta["cuda_devices"]):
+        rng["cuda"] = [tensors[f"rng/cuda/{i}"] for i in range(int(meta["cuda_devices"]))]
+    return json.loads(meta["scheduler"]), rng
+
+
 def train_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
     """`{"model", "optimizer"}` (sharded under FSDP2, for torch.distributed.checkpoint) plus
     this rank's `{"scheduler", "rng"}`."""
@@ -269,28 +301,49 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def save_train_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-    """`path/dcp/` (model + optimizer, each rank writes its shards) and `path/extra_rank{r}.pt`."""
+    """`path/dcp/` (model + optimizer, each rank writes its shards) and `path/extra_rank{r}.safetensors`
+    (this rank's lr-scheduler and RNG state: tensors, and JSON in the file's metadata; no pickle)."""
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = train_state_dict(model, optimizer, scheduler)
     with _quiet_single_process():
         dcp.save({"model": state["model"], "optimizer": state["optimizer"]}, checkpoint_id=str(path / "dcp"))
-    torch.save({"scheduler": state["scheduler"], "rng": state["rng"]}, path / f"extra_rank{rank()}.pt")
+    tensors, meta = _extra_to_file(state["scheduler"], state["rng"])
+    save_file(tensors, path / f"extra_rank{rank()}.safetensors", metadata=meta)
 
 
 def load_train_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-    """Inverse of `save_train_state` (same world size)."""
-    import torch.distributed.checkpoint as dcp
+    """Inverse of `save_train_state` (same world size). Nothing is unpickled: the sharded state is
+    read by `safe_load.dcp_load`, the rest from safetensors + JSON.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or unsafe, or the checkpoint was written in
+            the old pickled format (`extra_rank{r}.pt`), which is never loaded.
+    """
+    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
+    extra = path / f"extra_rank{rank()}.safetensors"
+    if not extra.is_file():
+        old = path / f"extra_rank{rank()}.pt"
+        reason = (f"{old.name} is the old pickled format, which raygraph no longer loads (unpickling can "
+                  f"run code)" if old.is_file() else f"{extra.name} is missing")
+        raise CheckpointError(f"cannot load the training state in {path}: {reason}; resume from a "
+                              f"checkpoint written by this version, or start a new run from its weights")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        dcp_load(state, path / "dcp")
+    try:
+        with safe_open(extra, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            scheduler_state, rng = _extra_from_file(tensors, f.metadata())
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {extra}: {type(exc).__name__}: {exc}") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra = torch.load(path / f"extra_rank{rank()}.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    _set_rng_state(extra["rng"])
+    scheduler.load_state_dict(scheduler_state)
+    _set_rng_state(rng)

@@ -46,7 +46,7 @@ def workdir(tmp_path_factory) -> Path:
 
 def _train_command(work: Path, run_name: str, *overrides: str) -> str:
     args = ["python", "-m", "raygraph.cli", "train", "configs/grpo_toy.yaml", f"run_name={run_name}",
-            f"trainer.output_dir={work / 'runs'}", f"model.path={work / 'tiny-lm'}",
+            f"trainer.output_dir={work / 'runs'}", f"model.path={work / 'runs' / 'models' / 'tiny-lm'}",
             f"data.train_files=[{work / 'data' / 'train.parquet'}]",
             f"data.val_files=[{work / 'data' / 'val.parquet'}]",
             "data.toy.n_train=60", "data.toy.n_val=20", "logging.mlflow=false", "trainer.resume=auto",

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raygraph.run.trainer import _StopFlag
+from raygraph.run.stopping import StopFlag
 
 
 def _busy(seconds: float) -> None:
@@ -20,7 +20,7 @@ def _busy(seconds: float) -> None:
 
 def test_sigterm_is_noted_and_the_step_may_finish():
     before = signal.getsignal(signal.SIGTERM)
-    with _StopFlag(timeout_s=30) as stop:
+    with StopFlag(timeout_s=30) as stop:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)
         _busy(0.2)  # the rest of the step: not interrupted
@@ -32,7 +32,7 @@ def test_sigterm_is_noted_and_the_step_may_finish():
 def test_a_step_that_does_not_end_is_interrupted_after_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        with _StopFlag(timeout_s=0.3):
+        with StopFlag(timeout_s=0.3):
             os.kill(os.getpid(), signal.SIGTERM)
             _busy(30)
     assert 0.3 <= time.monotonic() - t0 < 10
@@ -40,7 +40,7 @@ def test_a_step_that_does_not_end_is_interrupted_after_the_timeout():
 
 def test_a_second_signal_stops_at_once():
     with pytest.raises(KeyboardInterrupt):
-        with _StopFlag(timeout_s=30):
+        with StopFlag(timeout_s=30):
             os.kill(os.getpid(), signal.SIGTERM)
             _busy(0.1)
             os.kill(os.getpid(), signal.SIGINT)

@@ -22,8 +22,8 @@ from raygraph.workers._train import lr_factor
 from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
 
-METRICS = {"actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/approx_kl", "actor/entropy",
-           "actor/kl_loss", "actor/lr", "actor/skipped_steps"}
+METRICS = {"actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/clipfrac_lower", "actor/approx_kl", "actor/entropy",
+           "actor/kl_loss", "actor/lr", "actor/skipped_steps", "actor/optimizer_steps"}
 
 
 def _policy(path, **kw) -> PolicyWorker:
@@ -99,7 +99,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollo
     advantages = batch[ADVANTAGES].clone()
     advantages[1, 0] = float("nan")  # poisons the first mini-batch only
     metrics = worker.update(batch.with_columns(**{ADVANTAGES: advantages}))
-    assert metrics["actor/skipped_steps"] == 1
+    assert metrics["actor/skipped_steps"] == 1 and metrics["actor/optimizer_steps"] == 2
     assert metrics["actor/lr"] == pytest.approx(1e-2 * 2 / 4)  # 2 optimizer steps of warmup (skips count)
     after = _weights(worker)
     assert all(torch.isfinite(v).all() for v in after.values())
@@ -108,7 +108,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollo
     worker = _policy(tiny_model_path, micro_batch_size=6)
     before = _weights(worker)
     metrics = worker.update(batch.with_columns(**{ADVANTAGES: advantages}))
-    assert metrics["actor/skipped_steps"] == 1
+    assert metrics["actor/skipped_steps"] == 1 and metrics["actor/optimizer_steps"] == 1  # all skipped
     assert all(torch.equal(before[k], v) for k, v in _weights(worker).items())
     assert not worker.trained.optimizer.state  # AdamW moments untouched too
 

@@ -1,0 +1,110 @@
+"""Data checked before training (`raygraph validate` and the start of `train`): each case used to
+fail at the step where the bad row was first drawn, or not at all."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raygraph.cli import main
+from raygraph.data.prompts import write_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = str(ROOT / "configs" / "grpo_toy.yaml")
+
+
+def _row(i: int, source: str = "toy_arith", truth: str | None = "7") -> dict:
+    return {"prompt": [{"role": "user", "content": f"{i}+0="}], "data_source": source,
+            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"i": i}}
+
+
+def _validate(tmp_path, model: str, rows: list[dict], *overrides: str) -> int:
+    train = write_rows(rows, tmp_path / "train.parquet")
+    return main(["validate", TOY, f"model.path={model}", "model.build_tiny=false", f"data.train_files=[{train}]",
+                 "data.val_files=[]", "trainer.val_every=0", "data.prompts_per_step=4",
+                 f"trainer.output_dir={tmp_path / 'runs'}", *overrides])
+
+
+def test_good_data_passes_and_says_so(tmp_path, tiny_model_path, capsys):
+    assert _validate(tmp_path, tiny_model_path, [_row(i) for i in range(8)]) == 0
+    assert "# data OK: 8 training rows, 0 validation prompts\nconfig OK\n" in capsys.readouterr().out
+
+
+def test_every_data_problem_is_named_before_training(tmp_path, tiny_model_path, capsys):
+    rows = [_row(0, source="my/new_task"), _row(1, truth=None), _row(2)]
+    assert _validate(tmp_path, tiny_model_path, rows) == 2
+    err = capsys.readouterr().err
+    assert "3 data problem(s)" in err
+    assert "data.prompts_per_step=4 is larger than the training set (3 usable rows" in err
+    assert "no rule reward for data_source 'my/new_task' (1 rows); known data sources: " in err
+    assert "1 rows have no reward_model.ground_truth (first: prompt 1" in err
+    assert "Traceback" not in err
+
+
+def test_a_named_reward_function_needs_no_per_source_reward(tmp_path, tiny_model_path):
+    rows = [_row(i, source="my/new_task") for i in range(4)]
+    assert _validate(tmp_path, tiny_model_path, rows, "reward.function=toy_arith") == 0
+
+
+def test_an_empty_parquet_file_is_named_as_such(tmp_path, tiny_model_path, capsys):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    code = main(["validate", TOY, f"model.path={tiny_model_path}", "model.build_tiny=false",
+                 f"data.train_files=[{empty}]", "data.val_files=[]", "trainer.val_every=0"])
+    assert code == 2
+    assert f"data file {empty} is empty (0 rows)" in capsys.readouterr().err
+
+
+def test_a_pad_id_outside_the_vocabulary_is_caught(tmp_path, tiny_model_path, capsys):
+    # transformers 5 gave a 93-token model the pad id 93 and step 2 crashed with IndexError
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"pad_token": "<|newpad|>"})     # id 93, the model has ids 0..92
+    tok.save_pretrained(model)
+    assert _validate(tmp_path, str(model), [_row(i) for i in range(8)]) == 2
+    err = capsys.readouterr().err
+    assert "the tokenizer's pad id 93 is outside the model's vocabulary (93 ids" in err
+
+
+def test_build_tiny_never_replaces_a_misspelt_model_path(tmp_path, capsys):
+    # before: the misspelt path was built as a random model and trained, exit 0
+    typo = tmp_path / "my-modle"
+    code = main(["validate", TOY, f"model.path={typo}", f"trainer.output_dir={tmp_path / 'runs'}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"model.path {typo} does not exist. model.build_tiny builds a random-init tiny model only under " \
+           "trainer.output_dir/models/" in err
+    code = main(["train", TOY, f"model.path={typo}", f"trainer.output_dir={tmp_path / 'runs'}",
+                 "logging.mlflow=false"])
+    assert code == 1 and not typo.exists()
+    assert "FileNotFoundError: model.path" in capsys.readouterr().err
+
+
+def test_build_tiny_builds_under_the_output_dir_and_says_so_loudly(tmp_path, capsys):
+    from raygraph.config import load_config
+    from raygraph.run.setup import ensure_assets
+
+    home = tmp_path / "runs" / "models" / "tiny-lm"
+    cfg = load_config(TOY, [f"model.path={home}", f"trainer.output_dir={tmp_path / 'runs'}",
+                            f"data.train_files=[{tmp_path / 'd' / 'train.parquet'}]",
+                            f"data.val_files=[{tmp_path / 'd' / 'val.parquet'}]"])
+    ensure_assets(cfg)
+    assert (home / "config.json").is_file()
+    assert "building a RANDOM-INIT tiny model (tiny)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["not parquet at all"])
+def test_a_file_that_is_not_parquet_is_named(tmp_path, tiny_model_path, capsys, bad):
+    path = tmp_path / "train.parquet"
+    path.write_text(bad)
+    code = main(["validate", TOY, f"model.path={tiny_model_path}", "model.build_tiny=false",
+                 f"data.train_files=[{path}]", "data.val_files=[]", "trainer.val_every=0"])
+    assert code == 2
+    assert f"data file {path} is not a readable parquet file" in capsys.readouterr().err
