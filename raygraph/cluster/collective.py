@@ -24,6 +24,7 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import BroadcastOptions
 
 from raygraph.cluster.errors import WeightSyncError
+from raygraph.cluster.rendezvous import listening_socket, master_store, member_store
 
 __all__ = ["BACKEND", "StandaloneGroup", "open_store", "join", "group", "leave"]
 
@@ -108,10 +109,10 @@ def _register() -> None:
 
 def open_store(group_name: str, world_size: int, timeout_s: float) -> tuple[str, int]:
     """Sender side, phase 1: host the group's TCPStore on a free port; returns (ip, port)."""
-    store = dist.TCPStore("0.0.0.0", 0, world_size, True, timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    ip = ray.util.get_node_ip_address()
+    store = master_store(listening_socket(ip), world_size, timeout_s)  # on the node's address only
     _STORES[group_name] = store
-    return ray.util.get_node_ip_address(), store.port
+    return ip, store.port
 
 
 def join(group_name: str, rank: int, world_size: int, addr: str, port: int, *, device: str,
@@ -123,7 +124,7 @@ def join(group_name: str, rank: int, world_size: int, addr: str, port: int, *, d
     store = _STORES.get(group_name) if rank == 0 else None
     if store is None:
         try:
-            store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout_s))
+            store = member_store(addr, port, world_size, timeout_s)
         except Exception as exc:  # noqa: BLE001 - name who we waited for
             raise WeightSyncError(f"weight-sync group {group_name!r}: could not reach the store of "
                                   f"{labels[0]} at {addr}:{port} within {timeout_s:.0f}s "

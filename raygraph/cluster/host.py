@@ -6,18 +6,22 @@ with resources taken from the placement (`ray.remote(num_cpus=..., num_gpus=...)
 A `RoleHost` holds one worker per role it hosts (one role normally; several when roles are fused
 in colocated mode) and runs actor tasks and direct calls on them. Every exception leaving it is a
 `RemoteFailure` that names the role, rank, node and traceback.
+
+Both import the run's plugins (user code: registered losses, estimators, rewards) when they
+start, before any worker is constructed or any task runs, so user code reaches every process.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import collective, tasks
 from raygraph.cluster.errors import CallSite, RemoteFailure, WeightSyncError
+from raygraph.cluster.rendezvous import listening_socket, master_store, member_store
 from raygraph.cluster.weights import CollectiveTransport, InProcessTransport
 
 __all__ = ["RoleHost", "Coordinator"]
@@ -35,14 +39,17 @@ class RoleHost:
     Args:
         actor_name: `<run>/<role>/<rank>` (or `<run>/<a+b>/<rank>` when fused).
         ranks: role name -> this actor's rank in that role.
+        plugins: user modules or absolute `.py` paths to import first.
     """
 
-    def __init__(self, actor_name: str, ranks: dict[str, int]):
+    def __init__(self, actor_name: str, ranks: dict[str, int], plugins: tuple[str, ...] = ()):
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         node_id, ip = _node()
         self.sites = {role: CallSite(role, rank, actor_name, node_id, ip) for role, rank in ranks.items()}
+        with self._guard(next(iter(ranks)), "import plugins"):
+            import_plugins(plugins)
         self.workers: dict[str, Any] = {}
         self._transports: dict[str, Any] = {}
         self._versions: dict[str, int] = {}
@@ -54,11 +61,12 @@ class RoleHost:
         return {"node_id": node_id, "node_ip": ip, "pid": os.getpid()}
 
     def free_port(self) -> tuple[str, int]:
-        """An address for torch.distributed rendezvous hosted by this actor (rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return _node()[1], port
+        """The address of the role's torch.distributed rendezvous, hosted by this actor (rank 0):
+        a socket listening on this node's own IP, kept until `init_distributed` hands it to the
+        store (no other process can take the port in between)."""
+        ip = _node()[1]
+        self._rendezvous = listening_socket(ip)
+        return ip, self._rendezvous.getsockname()[1]
 
     def init_distributed(self, role: str, rank: int, world: int, addr: str, port: int,
                          timeout_s: float) -> None:
@@ -76,9 +84,12 @@ class RoleHost:
                     raise RuntimeError(f"process already in a group of {dist.get_world_size()} "
                                        f"(rank {dist.get_rank()}); fused roles must share ranks")
                 return
+            sock, self._rendezvous = getattr(self, "_rendezvous", None), None
+            store = (master_store(sock, world, timeout_s) if rank == 0 and sock is not None
+                     else member_store(addr, port, world, timeout_s))
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
 
     def construct(self, role: str, factory: Callable, kwargs: dict) -> None:
         with self._guard(role, "__init__"):
@@ -207,9 +218,11 @@ class _Guard:
 class Coordinator:
     """Runs whole-batch tasks (scatter, gather, apply, sync stats) off the driver."""
 
-    def __init__(self, run_name: str):
+    def __init__(self, run_name: str, plugins: tuple[str, ...] = ()):
         node_id, ip = _node()
         self.site = CallSite("coordinator", 0, f"{run_name}/coordinator", node_id, ip)
+        with _Guard(self.site, "import plugins"):
+            import_plugins(plugins)
         self.timings = _StageTimings()
 
     def ping(self) -> bool:

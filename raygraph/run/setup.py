@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,9 @@ from raygraph.config import to_yaml
 from raygraph.data.toy import write_toy_dataset
 from raygraph.data.word_problems import write_word_problems
 from raygraph.models.tiny import build_tiny_lm, built_size
+from raygraph.run import resume
+from raygraph.run.resume import ResumePlan, default_run_name
+from raygraph.run.role_specs import pools_for
 
 __all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "quiet_progress_bars"]
 
@@ -35,6 +37,7 @@ class RunContext:
     run_name: str
     mlflow_uri: str
     resolved: dict
+    resume: ResumePlan | None = None  # the checkpoint to continue from (run/resume.py)
 
     @property
     def ray_name(self) -> str:
@@ -56,6 +59,20 @@ def check_tiny_model_home(cfg) -> None:
             f"model.path {cfg.model.path} does not exist. model.build_tiny builds a random-init tiny model only "
             f"under trainer.output_dir/models/ ({tiny_model_home(cfg)}/), never in place of a missing model "
             "elsewhere: fix the path, set model.build_tiny=false, or point model.path into that folder")
+
+
+def check_local_cpus(pools, machine_cpus: int) -> None:
+    """On a local Ray, a bundle cannot use more CPUs than the machine has: each worker runs
+    `cpus` torch threads (OMP_NUM_THREADS), and 64 threads on 2 cores ran 10x slower, silently.
+    (On a cluster, a bundle larger than every node never gets placed: `placement_timeout_s`.)"""
+    for name, pool in pools:
+        if pool.cpus_per_bundle > machine_cpus:
+            key = "placement.cpus_per_worker" if name in ("main", "train", "rollout") else \
+                f"placement.pools.{name}.cpus_per_bundle"
+            raise ValueError(f"{key}={pool.cpus_per_bundle:g} is more than this machine's {machine_cpus} CPUs: on a "
+                             f"local Ray each worker would run {int(pool.cpus_per_bundle)} torch threads on "
+                             f"{machine_cpus} cores, many times slower. Set it to at most {machine_cpus}, or join a "
+                             "cluster (trainer.ray_address) whose nodes are that large")
 
 
 def ensure_assets(cfg) -> None:
@@ -103,17 +120,24 @@ def quiet_progress_bars() -> None:
 
 
 def prepare_run(cfg) -> RunContext:
-    """Create `<output_dir>/<experiment>/<run>/`, write the resolved config, build local assets."""
+    """Create `<output_dir>/<experiment>/<run>/`, choose the checkpoint to resume (a refused
+    resume stops here, before anything is written), write the resolved config, build local assets."""
     quiet_progress_bars()
-    run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    run_name = cfg.run_name
+    if run_name is None:
+        run_name, source = default_run_name()
+        print(f"[raygraph] run name {run_name} (from {source})", flush=True)
     run_dir = Path(cfg.trainer.output_dir) / cfg.experiment / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
+    resumed = resume.plan(cfg, run_dir)
     ensure_assets(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if resumed is not None:
+        resume.record(run_dir, resumed)
     uri = cfg.logging.mlflow_tracking_uri
     if uri is None:
         uri = f"sqlite:///{(Path(cfg.trainer.output_dir) / 'mlflow.db').resolve()}"
-    return RunContext(cfg, run_dir, run_name, uri, cfg.model_dump(mode="json"))
+    return RunContext(cfg, run_dir, run_name, uri, cfg.model_dump(mode="json"), resumed)
 
 
 def start_ray(cfg, address: str | None) -> None:
@@ -133,6 +157,7 @@ def start_ray(cfg, address: str | None) -> None:
         runtime_env = {"env_vars": {k: v for k, v in ACTOR_ENV.items() if k not in taken}}
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
+    check_local_cpus(pools_for(cfg).items(), os.cpu_count() or 1)
     # Ray starts workers at niceness 15 by default; on a busy machine the actors doing the compute
     # then lose the CPU to Ray's own daemons (measured in docs/benchmarks.md).
     os.environ.setdefault("RAY_worker_niceness", "0")
