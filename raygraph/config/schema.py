@@ -228,10 +228,13 @@ class TrainerConfig(Section):
     total_steps: int = Field(ge=1, description="Training steps (one batch of prompts each).")
     seed: int = Field(0, description="Seed of sampling, data order and initialisation.")
     output_dir: str = Field("runs", description="Runs go to <output_dir>/<experiment>/<run_name>/.")
-    resume: str = Field("auto", description="auto: resume the run's latest checkpoint if any; never; "
-                                            "or a checkpoint directory.")
+    resume: str = Field("auto", description="auto: resume the run's newest intact checkpoint if any; never; "
+                                            "or a checkpoint directory. Only some settings may change on "
+                                            "resume (docs/guarantees.md).")
     val_every: int = Field(0, ge=0, description="Validate every N steps; 0 = only at start and end.")
-    save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 = only at the end.")
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (also at the last step, on a stop "
+                                                  "signal and after a failure that left a finished step); 0 = "
+                                                  "only then. A restarted run redoes at most N-1 steps.")
     dump_rollouts: int = Field(10, ge=0, description="Write the step's rollouts (prompt, response, score and "
                                                      "reward extras, advantage, uid, weight version) to "
                                                      "<run>/samples/train_step_<N>.jsonl and MLflow every N "
@@ -271,7 +274,8 @@ class RaygraphConfig(Section):
     cross-field and registry checks that constructing this model alone does not."""
 
     experiment: str = Field("raygraph", description="Experiment name (MLflow experiment, run directory).")
-    run_name: str | None = Field(None, description="Run name; null = a timestamp.")
+    run_name: str | None = Field(None, description="Run name; null = $RAYGRAPH_RUN_NAME, else slurm-<job id> under "
+                                                   "Slurm (a rerun of the job resumes it), else a timestamp.")
     workflow: str = Field("grpo", description="Workflow by registry name (workflows/<name>.py) or path "
                                               "(my_algo.py:build).")
     workflow_args: dict[str, Any] = Field(

@@ -3,6 +3,11 @@
 `Tracker.log(step, metrics)` writes one JSON object per step (always with `step`) and forwards
 the same numbers to every sink. Sinks that fail to start (no MLflow server, no Ray) are reported
 once and skipped; the jsonl file is never skipped.
+
+One run directory is one run, however often it is resumed: a Tracker that starts at step N
+moves the lines of steps after N (redone now) from `metrics.jsonl` to `metrics_redone.jsonl`, so
+`metrics.jsonl` holds each step once, and reopens the MLflow run recorded in `mlflow_run.json`
+(same tracking URI) instead of starting another.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -74,19 +80,36 @@ class ConsoleProgress:
         print("[raygraph] " + " ".join(parts), file=self.stream, flush=True)
 
 
+_MLFLOW_RUN = "mlflow_run.json"  # {"run_id", "tracking_uri"} of the run directory's MLflow run
+
+
 class _MlflowSink:
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict, config_path: Path):
+    """Starts the run directory's MLflow run, or reopens it (recorded in `mlflow_run.json`)."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict, run_dir: Path):
         import mlflow
 
         self.mlflow = mlflow
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_experiment(experiment)
-        self.run = mlflow.start_run(run_name=run_name)
-        flat = _flatten(params)
-        for i in range(0, len(flat), 100):  # MLflow caps a params batch at 100
-            mlflow.log_params(dict(list(flat.items())[i:i + 100]))
-        mlflow.log_artifact(str(config_path))
+        record = run_dir / _MLFLOW_RUN
+        previous = json.loads(record.read_text()) if record.is_file() else {}
+        self.run = None
+        if previous.get("tracking_uri") == tracking_uri:
+            try:
+                self.run = mlflow.start_run(run_id=previous["run_id"])
+            except Exception as exc:  # deleted, or another store: say so and start a new one
+                log.warning("cannot reopen MLflow run %s (%s); starting a new one", previous["run_id"], exc)
+        if self.run is None:
+            self.run = mlflow.start_run(run_name=run_name)
+            flat = _flatten(params)  # a reopened run keeps its params: MLflow refuses to change one
+            for i in range(0, len(flat), 100):  # MLflow caps a params batch at 100
+                mlflow.log_params(dict(list(flat.items())[i:i + 100]))
         self.run_id = self.run.info.run_id
+        record.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": tracking_uri}) + "\n")
+        for name in ("config.yaml", "resumes.jsonl"):
+            if (run_dir / name).is_file():
+                mlflow.log_artifact(str(run_dir / name))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics({mlflow_name(k): v for k, v in metrics.items()}, step=step)
@@ -143,12 +166,36 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _drop_redone(path: Path, start_step: int) -> None:
+    """Keep the lines of steps <= `start_step` in `path`; append the others to `metrics_redone.jsonl`."""
+    if not path.is_file():
+        return
+    keep, redone = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill is not a step
+            step = None
+        (keep if step is not None and step <= start_step else redone).append(line if line.endswith("\n") else line + "\n")
+    if not redone:
+        return
+    with (path.parent / "metrics_redone.jsonl").open("a") as f:
+        f.writelines(redone)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+    log.warning("metrics.jsonl: %d line(s) after step %d are redone by this run; moved to metrics_redone.jsonl",
+                len(redone), start_step)
+
+
 class Tracker:
     """Fan-out of per-step metrics to jsonl (always), MLflow, Ray metrics and the console.
 
     Args:
         run_dir: the run directory; `metrics.jsonl` is appended there (resume keeps history).
         total_steps: for the console line.
+        start_step: the step this run continues from (0: from the start); lines of later steps
+            are moved out of `metrics.jsonl`, to be written again.
         mlflow_uri: tracking URI, or None to skip MLflow.
         experiment, run_name: MLflow names.
         params: the resolved config as a nested dict (MLflow params).
@@ -160,16 +207,16 @@ class Tracker:
 
     def __init__(self, run_dir: Path, *, total_steps: int, mlflow_uri: str | None, experiment: str,
                  run_name: str, params: dict, ray_metrics: bool = True, console: str = "auto",
-                 log_every: int = 1):
+                 log_every: int = 1, start_step: int = 0):
         self.run_dir = Path(run_dir)
         self.log_every = log_every
+        _drop_redone(self.run_dir / "metrics.jsonl", start_step)
         self.jsonl = (self.run_dir / "metrics.jsonl").open("a")
         self.console = ConsoleProgress(total_steps, console)
         self.sinks: list[Any] = []
         self.mlflow_run_id: str | None = None
         if mlflow_uri:
-            self._start_sink(lambda: _MlflowSink(mlflow_uri, experiment, run_name, params,
-                                                 self.run_dir / "config.yaml"), "MLflow")
+            self._start_sink(lambda: _MlflowSink(mlflow_uri, experiment, run_name, params, self.run_dir), "MLflow")
             if self.sinks:
                 self.mlflow_run_id = self.sinks[-1].run_id
         if ray_metrics:

@@ -22,13 +22,13 @@ from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.graph import whole_batch
 from raygraph.graph.executor import Executor
-from raygraph.run import checkpoint
+from raygraph.run import resume
 from raygraph.run.feed import StepData, merge_outputs
 from raygraph.run.graphs import build_graphs
 from raygraph.run.health import UpdateHealth
 from raygraph.run.role_specs import colocation, pools_for, role_specs
 from raygraph.run.samples import SampleDumps
-from raygraph.run.setup import RunContext, prepare_run, start_ray
+from raygraph.run.setup import prepare_run, start_ray
 from raygraph.run.stopping import RunStopped, StopFlag
 from raygraph.run.tracking import Tracker
 from raygraph.run.validation import run_validation
@@ -48,45 +48,6 @@ class RunSummary:
     wall_s: float
     stopped_early: bool
     stop_signal: int | None = None  # the signal that stopped the run early (`raygraph train` exits 128 + it)
-
-
-_TRAINED_ROLES = ("policy", "critic")  # optimizer state; every rank writes its shards into one dir
-
-
-def _role_state(roles, method: str, ckpt_dir: Path) -> None:
-    """save_checkpoint / load_checkpoint on every stateful role (rollout: its sampling RNG per rank)."""
-    for name in roles.names():
-        if name in _TRAINED_ROLES:
-            roles[name].call(method, str(ckpt_dir / name))
-    if "rollout" in roles.names():
-        group = roles.rollout
-        group.call_each(method, [(str(ckpt_dir / "rollout" / f"rank{r}"),) for r in range(group.world_size)])
-
-
-def _save(ctx: RunContext, roles, step: int, data: StepData, kl_ctl, weight_version: int) -> None:
-    state = {"sampler": data.sampler.state_dict(), "kl_controller": kl_ctl.state_dict(),
-             "weight_version": weight_version, "run_name": ctx.run_name}
-    with checkpoint.CheckpointWriter(ctx.run_dir, step, state, ctx.cfg.checkpoint.keep_last) as ckpt:
-        _role_state(roles, "save_checkpoint", ckpt.path)
-        if ctx.cfg.checkpoint.save_hf:
-            roles.policy.call("save_pretrained", str(ckpt.path / "hf"))  # every FSDP rank gathers
-    print(f"[raygraph] checkpoint written: {ckpt.final}", flush=True)
-
-
-def _resume(ctx: RunContext, roles, data: StepData, kl_ctl) -> tuple[int, int]:
-    ckpt_dir = checkpoint.resolve_resume(ctx.cfg.trainer.resume, ctx.run_dir)
-    if ckpt_dir is None:
-        rollout = roles.rollout
-        rollout.call_each("reseed", [(ctx.cfg.trainer.seed + r,) for r in range(rollout.world_size)])
-        return 0, 0
-    state = checkpoint.read_trainer_state(ckpt_dir)
-    _role_state(roles, "load_checkpoint", ckpt_dir)
-    data.sampler.load_state_dict(state["sampler"])
-    kl_ctl.load_state_dict(state["kl_controller"])
-    version = int(state.get("weight_version", 0))
-    roles.weights.sync_now(version=version)
-    print(f"[raygraph] resumed from {ckpt_dir} (step {state['step']})", flush=True)
-    return int(state["step"]), version
 
 
 def run(cfg, address: str | None = None) -> RunSummary:
@@ -125,14 +86,15 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
     status, steps_done, stopped = "FAILED", 0, False
     kl_cfg = cfg.algorithm.kl_in_reward
     kl_ctl = make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon)
+    consistent, version = None, 0  # the last step whose update, sync and KL update all finished
     try:
-        start_step, version = _resume(ctx, roles, data, kl_ctl)
+        start_step, version = resume.restore(ctx.resume, roles, data, kl_ctl, cfg.trainer.seed)
         if start_step == 0 and cfg.trainer.warm_start is not None:
             run_warm_start(cfg, roles)
         tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
                           mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
                           experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
-                          console=cfg.logging.console, log_every=cfg.logging.log_every)
+                          console=cfg.logging.console, log_every=cfg.logging.log_every, start_step=start_step)
         if tracker.mlflow_run_id:
             print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
         # profile: interpreted and unfused, so that every stage is a Ray task in the timeline (a
@@ -154,6 +116,7 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
                 stopped = True
                 break
             t0 = time.perf_counter()
+            consistent = None  # from here the sampler, then the roles, move on to this step
             prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
             prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
             metrics = merge_outputs(executor.run(prompts))
@@ -165,6 +128,7 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
             metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
             version = int(metrics.get("weights/version", version))
             kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)
+            consistent = step
             health.observe(step, metrics)
             stopping = stop.requested  # read once: a signal may land anywhere in this iteration
             last = step == cfg.trainer.total_steps
@@ -174,13 +138,17 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
             tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
             steps_done = step
             if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                _save(ctx, roles, step, data, kl_ctl, version)
+                resume.save(ctx, roles, step, data, kl_ctl, version)
             if stopping:
                 stopped = True
                 break
         if not stopped:
             health.check()
         status = "KILLED" if stopped else "FINISHED"
+    except Exception:
+        unlogged = metrics if consistent is not None and consistent > steps_done else None
+        resume.save_after_failure(ctx, roles, data, kl_ctl, version, step=consistent, tracker=tracker, metrics=unlogged)
+        raise
     finally:
         if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
             ray.timeline(filename=str(ctx.run_dir / "timeline.json"))

@@ -167,7 +167,7 @@ def test_job_succeeds_and_leaves_nothing_behind(head, client, workdir):
 def test_stop_checkpoints_then_resume_finishes(head, client, workdir):
     run_name = "stop-resume"
     run_dir = workdir / "runs" / EXPERIMENT / run_name
-    job = _submit(client, _train_command(workdir, run_name, "trainer.total_steps=1000"))
+    job = _submit(client, _train_command(workdir, run_name, "trainer.total_steps=1000", "trainer.save_every=0"))
     _wait_log(client, job, r"^\[raygraph\] step 3/1000 ")
     assert 'experiment="grpo_toy"' in _wait_gauge(head, run_name)  # the dashboard's Metrics view
     assert client.stop_job(job)

@@ -1,0 +1,109 @@
+"""Training-state checkpoints load without unpickling: a planted payload is refused, never run."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from raygraph.workers._train import build_optimizer, build_scheduler, load_train_state, save_train_state
+from raygraph.workers.safe_load import CheckpointError, _safe_planner
+
+
+class _Payload:
+    """Unpickling this creates `marker` (stands in for arbitrary code)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = build_optimizer(model, lr=0.1, weight_decay=0.01, betas=(0.9, 0.99))
+    scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=10, lr_schedule="cosine", min_lr_ratio=0.1)
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_round_trip_restores_everything_without_unpickling(tmp_path, monkeypatch):
+    model, optimizer, scheduler = _trained()
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    save_train_state(tmp_path, model, optimizer, scheduler)
+    draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    assert not list(tmp_path.rglob("*.pt"))  # scheduler + RNG: safetensors with JSON metadata
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    real_torch_load = torch.load
+
+    def weights_only_load(*args, **kwargs):
+        assert kwargs.get("weights_only") is True, "torch.load without weights_only=True"
+        return real_torch_load(*args, **kwargs)
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", weights_only_load)
+    fresh, fresh_opt, fresh_sched = _trained(seed=1)
+    load_train_state(tmp_path, fresh, fresh_opt, fresh_sched)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert fresh_sched.state_dict()["last_epoch"] == 3 and fresh_sched.get_last_lr() == scheduler.get_last_lr()
+    assert fresh_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    for p in model.parameters():
+        assert torch.equal(optimizer.state[p]["exp_avg"], fresh_opt.state[dict(zip(model.parameters(),
+                                                                               fresh.parameters()))[p]]["exp_avg"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws  # RNG restored
+
+
+def test_a_planted_pickle_in_the_old_extra_file_is_refused_not_run(tmp_path):
+    model, optimizer, scheduler = _trained()
+    save_train_state(tmp_path, model, optimizer, scheduler)
+    (tmp_path / "extra_rank0.safetensors").unlink()
+    marker = tmp_path / "payload-ran"
+    torch.save({"scheduler": _Payload(marker), "rng": {}}, tmp_path / "extra_rank0.pt")
+    with pytest.raises(CheckpointError, match="old pickled format"):
+        load_train_state(tmp_path, *_trained(seed=1))
+    assert not marker.exists()
+
+
+def test_a_planted_pickle_as_dcp_metadata_is_refused_not_run(tmp_path):
+    model, optimizer, scheduler = _trained()
+    save_train_state(tmp_path, model, optimizer, scheduler)
+    marker = tmp_path / "payload-ran"
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(CheckpointError, match="refusing to load .*open"):
+        load_train_state(tmp_path, *_trained(seed=1))
+    assert not marker.exists()
+
+
+def test_a_planted_pickle_as_a_non_tensor_entry_is_refused_not_run(tmp_path):
+    marker = tmp_path / "payload-ran"
+    raw = io.BytesIO()
+    torch.save(_Payload(marker), raw)
+    raw.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        _safe_planner().load_bytes(None, raw)
+    assert not marker.exists()
+
+
+def test_a_truncated_shard_is_a_checkpoint_error(tmp_path):
+    model, optimizer, scheduler = _trained()
+    save_train_state(tmp_path, model, optimizer, scheduler)
+    shard = next((tmp_path / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="cannot load the sharded state"):
+        load_train_state(tmp_path, *_trained(seed=1))
