@@ -50,8 +50,11 @@ def test_a_changed_learning_rate_is_refused_naming_key_values_and_the_way_out(ou
     message = str(info.value)
     assert "actor.optim.lr: 0.0001 in the checkpoint, 0.01 now" in message
     assert "rollout.n: 4 in the checkpoint, 8 now" in message
-    assert "trainer.total_steps" not in message.split("Settings that may change")[0]  # allowed
-    assert f"run_name=<new name> trainer.resume=never model.path={ckpt / 'hf'}" in message
+    assert "trainer.total_steps" not in message  # allowed
+    assert "run_name=<new name> trainer.resume=never (this checkpoint has no hf/ weights" in message
+    (ckpt / "hf").mkdir()
+    with pytest.raises(resume.ResumeError, match=re.escape(f"trainer.resume=never model.path={ckpt / 'hf'} (its")):
+        prepare_run(_cfg(out, "actor.optim.lr=0.01", run_name="lr"))
     assert (run_dir / "config.yaml").read_text() == "the config the run was started with\n"  # untouched
     assert not (run_dir / resume.RESUMES).exists()
 

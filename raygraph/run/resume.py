@@ -124,13 +124,14 @@ def plan(cfg, run_dir: Path) -> ResumePlan | None:
     refused = {k: v for k, v in changes.items() if not _resumable(k)}
     if refused:
         listed = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in refused.items())
+        weights = (f"model.path={ckpt_dir / 'hf'} (its weights, fresh optimizer state)" if (ckpt_dir / "hf").is_dir()
+                   else "(this checkpoint has no hf/ weights: checkpoint.save_hf was false)")
         raise ResumeError(
             f"cannot resume {ckpt_dir} with changed settings ({listed}). A resumed run keeps the model, "
             f"optimizer, schedule, data order and sampling of its checkpoint, so these would not take "
-            f"effect. Put the old values back to resume, or start a new run from the checkpoint's "
-            f"weights: run_name=<new name> trainer.resume=never model.path={ckpt_dir / 'hf'} (fresh "
-            f"optimizer state). Settings that may change on resume: {', '.join(RESUMABLE)} "
-            f"(docs/guarantees.md)")
+            f"effect. Put the old values back to resume, or start a new run: run_name=<new name> "
+            f"trainer.resume=never {weights}. Only cadence, length, logging, checkpointing and timeout "
+            f"settings may change on resume (docs/guarantees.md, raygraph.run.resume.RESUMABLE)")
     return ResumePlan(ckpt_dir, state, changes)
 
 
