@@ -138,3 +138,21 @@ def test_a_failure_inside_a_step_writes_no_checkpoint_and_says_why(tmp_path, cap
         resume.save_after_failure(ctx, _Roles(), None, None, 0, step=None, tracker=None, metrics=None)
     assert checkpoint.latest(ctx.run_dir) is None
     assert "failed inside a step (a role may be half-updated)" in caplog.text
+
+
+def test_a_role_that_cannot_load_its_part_is_one_checkpoint_error(tmp_path):
+    class _Group:
+        def call(self, method, path):
+            raise checkpoint.CheckpointError(f"cannot load the training state in {path}: extra_rank0.safetensors "
+                                             "is missing")
+
+    class _PolicyOnly:
+        def names(self):
+            return ["policy"]
+
+        def __getitem__(self, name):
+            return _Group()
+
+    plan = resume.ResumePlan(tmp_path / "step_4", {"step": 4}, {})
+    with pytest.raises(checkpoint.CheckpointError, match=r"cannot load .*step_4: .*extra_rank0.safetensors is missing"):
+        resume.restore(plan, _PolicyOnly(), None, None, seed=0)

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """sha256 of each file, several at once (hashlib releases the GIL: shards hash in parallel)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
 def _files(ckpt_dir: Path) -> list[str]:
     return sorted(p.relative_to(ckpt_dir).as_posix() for p in ckpt_dir.rglob("*")
                   if p.is_file() and p.name not in (MANIFEST, _COMPLETE))
@@ -90,8 +97,9 @@ def _files(ckpt_dir: Path) -> list[str]:
 def write_manifest(ckpt_dir: Path) -> None:
     """`MANIFEST.json`: `{"files": {relative path: {"sha256", "bytes"}}}` of every file in `ckpt_dir`."""
     ckpt_dir = Path(ckpt_dir)
-    files = {rel: {"sha256": _sha256(ckpt_dir / rel), "bytes": (ckpt_dir / rel).stat().st_size}
-             for rel in _files(ckpt_dir)}
+    rels = _files(ckpt_dir)
+    digests = _sha256_all([ckpt_dir / rel for rel in rels])
+    files = {rel: {"sha256": digest, "bytes": (ckpt_dir / rel).stat().st_size} for rel, digest in zip(rels, digests)}
     (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
 
 
@@ -109,7 +117,8 @@ def verify(ckpt_dir: Path) -> None:
                               f"checksums); it cannot be verified") from None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {MANIFEST} is damaged ({exc})") from exc
-    for rel, expected in sorted(listed.items()):
+    listed = dict(sorted(listed.items()))
+    for rel, expected in listed.items():  # sizes first: cheap, and they name a truncated file
         path = ckpt_dir / rel
         if not path.is_file():
             raise CheckpointError(f"checkpoint {ckpt_dir}: {rel} is missing")
@@ -117,7 +126,8 @@ def verify(ckpt_dir: Path) -> None:
         if size != expected["bytes"]:
             raise CheckpointError(f"checkpoint {ckpt_dir}: {rel} is {size} bytes, {expected['bytes']} when "
                                   f"written (truncated or overwritten)")
-        if _sha256(path) != expected["sha256"]:
+    for (rel, expected), digest in zip(listed.items(), _sha256_all([ckpt_dir / rel for rel in listed])):
+        if digest != expected["sha256"]:
             raise CheckpointError(f"checkpoint {ckpt_dir}: {rel} does not match its checksum (changed on disk)")
     extra = sorted(set(_files(ckpt_dir)) - set(listed))
     if extra:

@@ -107,3 +107,24 @@ def test_a_truncated_shard_is_a_checkpoint_error(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="cannot load the sharded state"):
         load_train_state(tmp_path, *_trained(seed=1))
+
+
+def test_every_rng_state_round_trips_through_the_file_format(tmp_path):
+    """CUDA RNG states (one per device) too, so a GPU checkpoint is covered without a GPU."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from raygraph.workers._train import _extra_from_file, _extra_to_file
+
+    random.seed(1), np.random.seed(2), np.random.randn()  # numpy now holds a cached gaussian
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+           "cuda": [torch.randint(0, 255, (16,), dtype=torch.uint8) for _ in range(2)]}
+    tensors, meta = _extra_to_file({"last_epoch": 3, "base_lrs": [0.1]}, rng)
+    save_file(tensors, tmp_path / "extra.safetensors", metadata=meta)
+    with safe_open(tmp_path / "extra.safetensors", framework="pt") as f:
+        scheduler, back = _extra_from_file({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+    assert scheduler == {"last_epoch": 3, "base_lrs": [0.1]}
+    assert torch.equal(back["torch"], rng["torch"]) and back["python"] == rng["python"]
+    assert back["numpy"][0] == rng["numpy"][0] and (back["numpy"][1] == rng["numpy"][1]).all()
+    assert back["numpy"][2:] == rng["numpy"][2:]
+    assert all(torch.equal(a, b) for a, b in zip(back["cuda"], rng["cuda"], strict=True))
