@@ -78,9 +78,9 @@ def test_damage_failure_and_resumes_keep_one_history(tmp_path, ray_local, monkey
     assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5]  # each step once
     assert [r["step"] for r in _rows(run_dir, "metrics_redone.jsonl")] == [3]  # the damaged attempt's
     resumes = _rows(run_dir, resume.RESUMES)
-    assert [(r["step"], r["overrides"]) for r in resumes] == [
-        (2, {"trainer.total_steps": {"checkpoint": 3, "now": 4}}),
-        (4, {"trainer.total_steps": {"checkpoint": 4, "now": 5}})]
+    assert [(r["step"], r["overrides"], r["damaged_set_aside"]) for r in resumes] == [
+        (2, {"trainer.total_steps": {"checkpoint": 3, "now": 4}}, ["step_3.damaged"]),
+        (4, {"trainer.total_steps": {"checkpoint": 4, "now": 5}}, ["step_3.damaged"])]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("grpo_toy").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"

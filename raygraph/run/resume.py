@@ -136,10 +136,12 @@ def plan(cfg, run_dir: Path) -> ResumePlan | None:
 
 
 def record(run_dir: Path, resumed: ResumePlan) -> None:
-    """Append this resume to `<run_dir>/resumes.jsonl` (and say it in the log)."""
+    """Append this resume to `<run_dir>/resumes.jsonl` (and say it in the log): the checkpoint, its
+    step, the overrides, the damaged checkpoints set aside in this run so far, the command line."""
+    set_aside = sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("step_*.damaged"))
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "checkpoint": str(resumed.ckpt_dir),
              "step": resumed.step, "overrides": {k: {"checkpoint": a, "now": b} for k, (a, b) in resumed.overrides.items()},
-             "command": sys.argv}
+             "damaged_set_aside": set_aside, "command": sys.argv}
     with (Path(run_dir) / RESUMES).open("a") as f:
         f.write(json.dumps(entry, default=str) + "\n")
     if resumed.overrides:
