@@ -1,2 +1,36 @@
-"""raygraph: Ray-native RL post-training for LLMs."""
+"""raygraph: Ray-native RL post-training for LLMs.
+
+User code (a plugin named in a config's `plugins:` list, imported in every process of the run)
+registers its own pieces by name, then a config refers to that name:
+
+    import raygraph
+
+    @raygraph.register_policy_loss("my_loss")      # actor.policy_loss: my_loss
+    def my_loss(*, logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip, agg): ...
+
+`register_advantage` (algorithm.advantage) and `register_reward` (reward.function) work alike;
+see docs/custom-algorithm.md.
+"""
+
 __version__ = "0.1.0"
+__all__ = ["register_policy_loss", "register_advantage", "register_reward"]
+
+# name -> (module, attribute); imported on first use, so `import raygraph.config` stays as light as before
+_PUBLIC = {
+    "register_policy_loss": ("raygraph.algos.losses", "register_policy_loss"),
+    "register_advantage": ("raygraph.algos.advantages", "register_advantage"),
+    "register_reward": ("raygraph.rewards", "register_reward"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'raygraph' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _PUBLIC[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -26,9 +26,12 @@ import torch
 from raygraph.algos._registry import Registry
 from raygraph.algos.masked import as_float_mask, masked_whiten
 
-__all__ = ["compute", "names", "requires", "INPUTS"]
+__all__ = ["compute", "names", "requires", "is_builtin", "register_advantage", "INPUTS", "ESTIMATOR_KEYWORDS"]
 
-_ESTIMATORS = Registry("advantage estimator")
+# The keyword arguments every estimator is called with (the module docstring gives their shapes).
+ESTIMATOR_KEYWORDS = ("token_rewards", "response_mask", "group_ids", "values", "reward_baselines", "gamma", "lam",
+                      "eps")
+_ESTIMATORS = Registry("advantage estimator", keywords=ESTIMATOR_KEYWORDS)
 Tensor = torch.Tensor
 
 
@@ -37,13 +40,38 @@ INPUTS = ("group_ids", "values", "reward_baselines")
 
 
 def names() -> tuple[str, ...]:
-    """Names accepted by `compute`, sorted."""
+    """Names accepted by `compute`, sorted (besides `file.py:fn` references)."""
     return _ESTIMATORS.names()
+
+
+def is_builtin(name: str) -> bool:
+    """Whether `name` is one of raygraph's own estimators (not registered by a plugin nor a reference)."""
+    return name in _ESTIMATORS and not _ESTIMATORS.info(name).get("user", False)
+
+
+def register_advantage(name: str, fn=None, *, needs: tuple[str, ...] = ()):
+    """Register a user advantage estimator as `name` (call it from a plugin, see
+    docs/custom-algorithm.md).
+
+    `fn` takes the keyword arguments `ESTIMATOR_KEYWORDS` (float32 tensors, `group_ids` a dense
+    `(B,)` int64 index, an input not available None) and returns `(advantages, returns)`, both
+    `(B, T)`. `needs` lists the inputs of `INPUTS` it cannot do without (checked against the
+    workflow by the config, and before each call). Use as a call or as a decorator.
+
+    Raises:
+        ValueError: the name is taken, `fn` does not take the keywords, or `needs` is unknown.
+    """
+    unknown = sorted(set(needs) - set(INPUTS))
+    if unknown or isinstance(needs, str):
+        raise ValueError(f"needs={needs!r}: each must be one of {', '.join(INPUTS)}")
+    register = _ESTIMATORS.register(name, needs=tuple(needs), user=True)
+    return register if fn is None else register(fn)
 
 
 def requires(name: str) -> frozenset[str]:
     """The optional inputs (of `INPUTS`) that estimator `name` needs, as declared where it is
-    registered: "group_ids" (several samples per prompt), "values" (a critic), "reward_baselines"."""
+    registered: "group_ids" (several samples per prompt), "values" (a critic), "reward_baselines".
+    A `file.py:fn` reference declares nothing (register it from a plugin to declare `needs`)."""
     return frozenset(_ESTIMATORS.info(name).get("needs", ()))
 
 

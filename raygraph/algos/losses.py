@@ -21,7 +21,8 @@ from raygraph.algos._registry import Registry
 from raygraph.algos.dpo import dpo_loss
 from raygraph.algos.masked import as_float_mask, masked_mean
 
-__all__ = ["AGG_MODES", "aggregate", "normaliser", "dpo_loss", "policy_loss", "policy_loss_names", "value_loss"]
+__all__ = ["AGG_MODES", "POLICY_LOSS_KEYWORDS", "aggregate", "normaliser", "dpo_loss", "policy_loss", "policy_loss_fn",
+           "policy_loss_names", "register_policy_loss", "value_loss"]
 
 Tensor = torch.Tensor
 Stats = dict[str, Tensor]
@@ -104,12 +105,35 @@ def normaliser(mode: str, mask: Tensor) -> float | None:
 
 # --------------------------------------------------------------------------- policy losses
 
-_POLICY_LOSSES = Registry("policy loss")
+# The keyword arguments every policy loss is called with (see `policy_loss` for their meaning).
+POLICY_LOSS_KEYWORDS = ("logprobs", "old_logprobs", "advantages", "response_mask", "clip_low", "clip_high",
+                        "dual_clip", "agg")
+_POLICY_LOSSES = Registry("policy loss", keywords=POLICY_LOSS_KEYWORDS)
 
 
 def policy_loss_names() -> tuple[str, ...]:
-    """Names accepted by `policy_loss`, sorted."""
+    """Names accepted by `policy_loss`, sorted (besides `file.py:fn` references)."""
     return _POLICY_LOSSES.names()
+
+
+def policy_loss_fn(name: str) -> Callable:
+    """The loss registered as `name` or referenced as `file.py:fn` (ValueError listing valid names)."""
+    return _POLICY_LOSSES.get(name)
+
+
+def register_policy_loss(name: str, fn: Callable | None = None):
+    """Register a user policy loss as `name` (call it from a plugin, see docs/custom-algorithm.md).
+
+    `fn` takes the keyword arguments `POLICY_LOSS_KEYWORDS` (tensors already float32, `old_logprobs`
+    and `advantages` detached) and returns `(loss, stats)`: a 0-dim loss aggregated with
+    `aggregate(loss_mat, response_mask, agg)`, and a dict of 0-dim tensors or floats, each a masked
+    token mean (every key becomes an `actor/<key>` metric). Use as `register_policy_loss("x", fn)`
+    or as the decorator `@register_policy_loss("x")`.
+
+    Raises:
+        ValueError: the name is taken or `fn` does not take the keywords.
+    """
+    return _POLICY_LOSSES.register(name) if fn is None else _POLICY_LOSSES.register(name)(fn)
 
 
 def policy_loss(
@@ -127,7 +151,7 @@ def policy_loss(
     """Compute the policy loss registered as `name` (one of `policy_loss_names()`).
 
     Args:
-        name: ppo, gspo or reinforce.
+        name: cispo, gspo, ppo, reinforce, a registered user loss or `file.py:fn`.
         logprobs: `(B, T)` log pi_theta(y_t) of the current policy (with gradient).
         old_logprobs: `(B, T)` log-probs of the policy that sampled the batch.
         advantages: `(B, T)` advantages.
@@ -138,7 +162,8 @@ def policy_loss(
         agg: aggregation mode, one of `AGG_MODES`.
 
     Returns:
-        `(loss, stats)`; stats keys `clipfrac`, `clipfrac_lower`, `approx_kl`.
+        `(loss, stats)`; built-in losses report `clipfrac`, `clipfrac_lower`, `approx_kl`; a user
+        loss reports what it returns.
     """
     fn = _POLICY_LOSSES.get(name)
     if agg not in _AGGREGATORS:
@@ -227,6 +252,22 @@ def _reinforce(*, logprobs, old_logprobs, advantages, response_mask, clip_low, c
     never = torch.zeros_like(loss_mat, dtype=torch.bool)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     stats = _policy_stats(clipped=never, clipped_lower=never, log_ratio=log_ratio, mask=response_mask)
+    return aggregate(loss_mat, response_mask, agg), stats
+
+
+@_POLICY_LOSSES.register("cispo")
+def _cispo(*, logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip, agg):
+    """Clipped IS-weight policy optimisation (MiniMax 2025, MiniMax-M1, arXiv:2506.13585, sec. 3.1,
+    eq. 4 with the weight of eq. 5): `L = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi(y_t)`.
+    Unlike PPO no token loses its gradient: the clipped ratio only scales it (stop-gradient). The
+    paper uses `agg="token-mean"` and no lower bound (its eps_low is large: `clip_low` near 1 here);
+    `clipfrac` / `clipfrac_lower` are the shares of tokens whose weight hit the upper / lower bound."""
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio.detach())  # (B, T), no gradient through the weight
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = -weight * advantages * logprobs
+    stats = _policy_stats(clipped=ratio > 1.0 + clip_high, clipped_lower=ratio < 1.0 - clip_low,
+                          log_ratio=log_ratio, mask=response_mask)
     return aggregate(loss_mat, response_mask, agg), stats
 
 

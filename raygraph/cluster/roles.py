@@ -190,7 +190,7 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
                 placement_timeout_s: float = 60.0, weight_sync_timeout_s: float = 60.0,
                 bucket_bytes: int = 64 << 20, env_vars: dict[str, str] | None = None,
                 weight_sync: Sequence[tuple[str, str]] = (("policy", "rollout"),),
-                weight_sync_verify: bool = True) -> Roles:
+                weight_sync_verify: bool = True, plugins: Sequence[str] = ()) -> Roles:
     """Create the placement groups, actors and workers of a run.
 
     Args:
@@ -212,6 +212,8 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
             are skipped. Pairs not fused get a collective group created here.
         weight_sync_verify: the collective groups' senders checksum every bucket and receivers
             refuse a bucket that does not match (in-process syncs of fused pairs always check).
+        plugins: user code (module names or absolute `.py` paths) every actor imports when it
+            starts, before its workers are constructed (`raygraph.algos.user_code`).
 
     Raises:
         PlacementError: a pool could not be placed in time. RoleError: an actor failed to start.
@@ -234,7 +236,7 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)
         env = {"TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
         units = _fusion_units(specs, colocate)
-        _create_hosts(roles, pools, specs, units, env)
+        _create_hosts(roles, pools, specs, units, env, tuple(plugins))
         _init_distributed(roles, specs, placement_timeout_s)
         _construct(roles, specs)
         roles.weights.connect(pairs)
@@ -269,7 +271,7 @@ def _fusion_units(specs: dict[str, RoleSpec], colocate) -> list[tuple[str, ...]]
     return [tuple(u) for u in colocate] + [(r,) for r in specs if r not in fused]
 
 
-def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
+def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ...]) -> None:
     # Actors sharing a bundle split its resources evenly (fractional CPUs/GPUs).
     per_bundle: dict[tuple[str, int], int] = {}
     for unit in units:
@@ -280,7 +282,7 @@ def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
     coordinator_cls = ray.remote(num_cpus=0)(Coordinator)
     roles.coordinator = coordinator_cls.options(
         name=f"{roles.run_name}/coordinator",
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **env}}).remote(roles.run_name)
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **env}}).remote(roles.run_name, plugins)
     refs, labels = [], []
     members: dict[str, list] = {r: [] for r in specs}
     for unit in units:
@@ -296,7 +298,7 @@ def _create_hosts(roles: Roles, pools, specs, units, env) -> None:
                 name=actor_name, max_restarts=0, runtime_env={"env_vars": {**threads, **env}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     roles.placement_groups[spec.pool], placement_group_bundle_index=bundle),
-            ).remote(actor_name, {role: rank for role in unit})
+            ).remote(actor_name, {role: rank for role in unit}, plugins)
             roles.hosts.append(actor)
             for role in unit:
                 members[role].append((actor, actor_name))

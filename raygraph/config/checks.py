@@ -12,6 +12,7 @@ from pathlib import Path
 
 from raygraph import rewards
 from raygraph.algos import advantages, dpo, kl, losses
+from raygraph.algos.user_code import is_code_ref
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs
 from raygraph.config.workflow_ref import Workflow
 
@@ -26,11 +27,22 @@ def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> li
 
 
 def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
-    """The config against the workflow's declarations (ADVANTAGES, MAX_STALENESS)."""
+    """The config against the workflow's declarations (ROLES, ADVANTAGES, MAX_STALENESS)."""
     problems, advantage = [], cfg.algorithm.advantage
+    unknown = [r for r in workflow.roles if r not in ROLES]
+    if unknown:
+        problems.append(f"workflow {workflow.ref!r} declares the unknown role(s) {', '.join(map(repr, unknown))} "
+                        f"in ROLES{_did_you_mean(unknown[0], ROLES)}; the roles raygraph runs are {', '.join(ROLES)}")
+    user_estimator = advantage is not None and not advantages.is_builtin(advantage)
     if workflow.advantages == () and advantage is not None:
         problems.append(f"algorithm.advantage={advantage!r}: workflow {workflow.ref!r} computes no advantages, "
                         "so the key would have no effect; remove it")
+    elif workflow.advantages and user_estimator:
+        provided = {"group_ids"}.union(*(estimator_needs(a) for a in workflow.advantages))
+        missing = sorted(estimator_needs(advantage) - provided)
+        if missing:
+            problems.append(f"algorithm.advantage={advantage!r} needs {', '.join(missing)}, which workflow "
+                            f"{workflow.ref!r} does not provide (it provides {', '.join(sorted(provided))})")
     elif workflow.advantages and advantage in advantages.names() and advantage not in workflow.advantages:
         problems.append(f"algorithm.advantage={advantage!r} is not an estimator that workflow {workflow.ref!r} "
                         f"implements; it accepts: {', '.join(workflow.advantages)} (default {workflow.advantages[0]})")
@@ -239,8 +251,15 @@ def registry_problems(cfg: RaygraphConfig) -> list[str]:
     if cfg.reward.function is not None:
         checks.append(("reward.function", cfg.reward.function, rewards.names(), "reward function"))
     problems = []
+    lookups = {"actor.policy_loss": losses.policy_loss_fn, "algorithm.advantage": advantages.requires,
+               "reward.function": rewards.get}   # the keys that accept a file.py:fn reference
     for key, name, names, family in checks:
-        if name not in names:
+        if key in lookups and is_code_ref(name):
+            try:
+                lookups[key](name)
+            except Exception as exc:  # noqa: BLE001 - user code: any error while importing it is a problem
+                problems.append(f"{key}={name!r}: {exc}")
+        elif name not in names:
             problems.append(f"{key}={name!r} is not a known {family}{_did_you_mean(name, names)}; "
                             f"valid names: {', '.join(sorted(names))}")
     return problems

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from raygraph.algos.user_code import UserCodeError, import_plugin
 from raygraph.config.checks import config_problems
 from raygraph.config.schema import RaygraphConfig
 from raygraph.config.suggest import ANY_KEY, schema_tree, unknown_key_message
@@ -98,29 +99,54 @@ def _build(data: dict, overrides: list[str], problems: list[str], source: str | 
         # any later problem that names a dropped key, since its value was not the user's.
         fallback, dropped = _validate_without_errors(data, exc)
         if fallback is not None:
-            fallback, workflow, found = _with_workflow(fallback)
+            fallback, workflow, found = _with_workflow(fallback, origins)
             found += config_problems(fallback, workflow)
             problems += [p for p in found if not any(d in p for d in dropped)]
     else:
-        cfg, workflow, found = _with_workflow(cfg)
+        cfg, workflow, found = _with_workflow(cfg, origins)
         problems += found + config_problems(cfg, workflow)
     if problems:
         raise ConfigError(problems, source=source)
     return cfg
 
 
-def _with_workflow(cfg: RaygraphConfig) -> tuple[RaygraphConfig, Workflow | None, list[str]]:
-    """Import the config's workflow; fill `algorithm.advantage` with its default when unset."""
+def _with_workflow(cfg: RaygraphConfig, origins: Mapping[KeyPath, str]
+                   ) -> tuple[RaygraphConfig, Workflow | None, list[str]]:
+    """Import the config's plugins, then its workflow; fill `algorithm.advantage` with the
+    workflow's default when unset and `workflow_args` with its declared defaults."""
+    problems = _import_plugins(cfg.plugins)
     try:
         workflow = load_workflow(cfg.workflow)
     except WorkflowError as exc:
-        return cfg, None, [f"workflow: {exc}"]
+        return cfg, None, problems + [f"workflow: {exc}"]
     except Exception as exc:  # noqa: BLE001 - user code: any import-time error is a config problem
-        return cfg, None, [f"workflow {cfg.workflow!r} fails to import: {type(exc).__name__}: {exc}"]
+        return cfg, None, problems + [f"workflow {cfg.workflow!r} fails to import: {type(exc).__name__}: {exc}"]
     if cfg.algorithm.advantage is None and workflow.default_advantage is not None:
         algorithm = cfg.algorithm.model_copy(update={"advantage": workflow.default_advantage})
         cfg = cfg.model_copy(update={"algorithm": algorithm})
-    return cfg, workflow, []
+    args, found = workflow.check_args(cfg.workflow_args)
+    found = [_with_origin(line, origins) for line in found]
+    return cfg.model_copy(update={"workflow_args": args}), workflow, problems + found
+
+
+def _with_origin(line: str, origins: Mapping[KeyPath, str]) -> str:
+    """A `workflow_args.<key> ...` problem, with the override it came from (as `_describe` says it)."""
+    key = tuple(line.split(" ", 1)[0].split("=", 1)[0].split("."))
+    item = origins.get(key)
+    return f"{line} (from override {item})" if item else line
+
+
+def _import_plugins(plugins: list[str]) -> list[str]:
+    """Import every plugin now (its registrations precede the registry checks); problems as lines."""
+    problems = []
+    for i, ref in enumerate(plugins):
+        try:
+            import_plugin(ref)
+        except UserCodeError as exc:
+            problems.append(f"plugins[{i}]: {exc}")
+        except Exception as exc:  # noqa: BLE001 - user code: any import-time error is a config problem
+            problems.append(f"plugins[{i}]={ref!r} fails to import: {type(exc).__name__}: {exc}")
+    return problems
 
 
 def _validate_without_errors(data: dict, exc: ValidationError) -> tuple[RaygraphConfig | None, set[str]]:

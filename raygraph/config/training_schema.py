@@ -9,10 +9,21 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from raygraph.algos.user_code import absolute_ref
 from raygraph.config.section import Section
 
 __all__ = ["OptimConfig", "ActorConfig", "CriticConfig", "ReferenceConfig", "RemoteRewardConfig", "RewardConfig",
-           "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig"]
+           "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig", "LoraConfig"]
+
+
+class LoraConfig(Section):
+    rank: int = Field(ge=1, description="LoRA rank r of every adapter (the update B A has rank <= r); must "
+                                        "not exceed the smaller dimension of any targeted layer.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is (alpha / rank) B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each adapter's input while training.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Layers that get adapters: all-linear (every linear layer but the output "
+        "head) or module-name suffixes such as [q_proj, v_proj]; each must name at least one nn.Linear.")
 
 
 class OptimConfig(Section):
@@ -37,7 +48,8 @@ class ActorConfig(Section):
         None, ge=1, description="Token-budget micro-batches for the policy and reference passes: also cap "
         "each forward/backward at this many tokens (rows x (longest prompt + longest response), padding "
         "trimmed); the gradient equals that of fixed-size micro-batches. null = rows only.")
-    policy_loss: str = Field("ppo", description="Policy loss by registry name (raygraph.algos.losses).")
+    policy_loss: str = Field("ppo", description="Policy loss by registry name (raygraph.algos.losses, or one "
+                                                "a plugin registers) or as my_code.py:my_loss.")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio lower bound is 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio upper bound is 1 + clip_high "
                                                     "(DAPO clip-higher when > clip_low).")
@@ -58,6 +70,8 @@ class ActorConfig(Section):
                             "the update is one on-policy optimizer step (ppo_epochs=1, one mini-batch, "
                             "synchronous, no KL in the reward, no rollout correction; then old = the "
                             "policy's own detached log-probs, exactly), else recompute.")
+
+    _user_code = field_validator("policy_loss")(lambda value: _code_path(value))
 
     @field_validator("dual_clip")
     @classmethod
@@ -101,9 +115,12 @@ class RewardConfig(Section):
     kind: Literal["rule", "model", "remote"] = Field("rule", description="rule functions, a reward model, or "
                                                                          "a remote service.")
     function: str | None = Field(None, description="rule: reward function by registry name "
-                                                   "(raygraph.rewards); null = chosen by each row's data_source.")
+                                                   "(raygraph.rewards, or one a plugin registers) or as "
+                                                   "my_code.py:my_reward; null = chosen by each row's data_source.")
     model_path: str | None = Field(None, description="model: the sequence-classification reward model.")
     remote: RemoteRewardConfig | None = Field(None, description="remote: the scoring service.")
+
+    _user_code = field_validator("function")(lambda value: _code_path(value))
     on_non_finite: Literal["fail", "zero"] = Field(
         "fail", description="A NaN or Inf score (or extra): fail the step naming the reward and the sample's "
         "uid, or score the sample 0 and count it in reward/non_finite (share of rows), with a warning.")
@@ -131,7 +148,10 @@ class AlgorithmConfig(Section):
     advantage: str | None = Field(None, description="Advantage estimator by registry name "
                                                       "(raygraph.algos.advantages), one of those the workflow "
                                                       "accepts (its ADVANTAGES); null = the workflow's default. "
-                                                      "Workflows without advantages (sft, dpo) reject a value.")
+                                                      "Workflows without advantages (sft, dpo) reject a value. "
+                                                      "A user estimator (registered by a plugin, or "
+                                                      "my_code.py:my_estimator) is accepted by any workflow "
+                                                      "that provides the inputs it needs.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     norm_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
@@ -141,6 +161,13 @@ class AlgorithmConfig(Section):
     dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name.")
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig,
                                                         description="Rollout-vs-trainer mismatch correction.")
+
+    _user_code = field_validator("advantage")(lambda value: _code_path(value))
     is_cap: float = Field(2.0, ge=1.0, description="Asynchronous pipelining (placement.max_staleness > 0): "
                                                    "each token of a stale rollout has its advantage weighted "
                                                    "by min(pi_old / pi_rollout, is_cap) (truncated IS).")
+
+
+def _code_path(value):
+    """A `file.py:fn` reference with its file made absolute (every actor then finds it)."""
+    return absolute_ref(value) if isinstance(value, str) and ":" in value else value

@@ -8,6 +8,9 @@ Resolving it imports the workflow module and reads what it declares (module-leve
                    default "grpo"
     DATA_FORMAT    "rl" prompts (default), "sft" prompt/response pairs or "dpo" preference pairs
     MAX_STALENESS  the largest `placement.max_staleness` its graph implements (default 0)
+    ARGS           a pydantic model of its arguments (the config's `workflow_args`); build then
+                   receives `args=ARGS(...)`. Without it, the keyword-only arguments of build
+                   (`def build(roles, cfg, *, min_std: float = 0.0)`) are its arguments.
 
 The shipped workflows live in the repository's `workflows/` folder, installed as
 `raygraph.workflows`.
@@ -15,12 +18,18 @@ The shipped workflows live in the repository's `workflows/` folder, installed as
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import inspect
 import pkgutil
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 import raygraph.workflows as _shipped
 
@@ -53,6 +62,8 @@ class Workflow:
     advantages: tuple[str, ...] | None = None   # None: undeclared (any registered estimator)
     data_format: str = "rl"
     max_staleness: int = 0
+    args: type[BaseModel] | None = None   # its arguments (`workflow_args`); None: it takes none
+    args_as_model: bool = False           # True: declared as ARGS, passed as `args=`; else as keywords
 
     @property
     def default_advantage(self) -> str | None:
@@ -60,6 +71,38 @@ class Workflow:
         if self.advantages is None:
             return DEFAULT_ADVANTAGE
         return self.advantages[0] if self.advantages else None
+
+    def check_args(self, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """`workflow_args` against the declared arguments: (the values with every default filled
+        in, as plain YAML values; problems, one line each with a did-you-mean)."""
+        if self.args is None:
+            return values, ([f"workflow_args: workflow {self.ref!r} takes no arguments (declare keyword-only "
+                             "arguments of its build function, or an ARGS model); remove "
+                             + ", ".join(f"workflow_args.{k}" for k in values)] if values else [])
+        try:
+            return self.args.model_validate(values).model_dump(mode="json"), []
+        except ValidationError as exc:
+            return values, [self._describe(error) for error in exc.errors()]
+
+    def build_graph(self, roles, cfg):
+        """Call the workflow's build with the config's (checked) `workflow_args`."""
+        if self.args is None:
+            return self.build(roles, cfg)
+        args = self.args.model_validate(cfg.workflow_args)
+        return self.build(roles, cfg, args=args) if self.args_as_model else self.build(roles, cfg, **dict(args))
+
+    def _describe(self, error) -> str:
+        key = ".".join(str(p) for p in error["loc"])
+        names = list(self.args.model_fields)
+        if error["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            hint = f" (did you mean workflow_args.{close[0]}?)" if close else ""
+            return (f"workflow_args.{key} is not an argument of workflow {self.ref!r}{hint}; "
+                    f"it takes: {', '.join(names)}")
+        if error["type"] == "missing":
+            return f"workflow_args.{key} is required by workflow {self.ref!r}"
+        message = error["msg"].removeprefix("Value error, ")
+        return f"workflow_args.{key}={error['input']!r}: {message[:1].lower()}{message[1:]}"
 
 
 def workflow_names() -> list[str]:
@@ -120,7 +163,40 @@ def load_workflow(ref: str) -> Workflow:
     advantages = getattr(module, "ADVANTAGES", None)
     if advantages is not None and (isinstance(advantages, str)
                                    or not all(isinstance(a, str) for a in advantages)):
-        raise WorkflowError(f"workflow {ref!r}: ADVANTAGES must be a tuple of estimator names, got {advantages!r}")
+        hint = " (the column name raygraph.batch.ADVANTAGES imported under that name?)" if advantages == "advantages" else ""
+        raise WorkflowError(f"workflow {ref!r}: ADVANTAGES must be a tuple of estimator names, got {advantages!r}{hint}")
+    declared = getattr(module, "ARGS", None)
+    if declared is not None and not (isinstance(declared, type) and issubclass(declared, BaseModel)):
+        raise WorkflowError(f"workflow {ref!r}: ARGS must be a pydantic model class, got {declared!r}")
+    args = _strict(declared) if declared is not None else _keyword_args(ref, build)
     return Workflow(ref, build, tuple(getattr(module, "ROLES", DEFAULT_ROLES)),
                     None if advantages is None else tuple(advantages),
-                    getattr(module, "DATA_FORMAT", "rl"), int(getattr(module, "MAX_STALENESS", 0)))
+                    getattr(module, "DATA_FORMAT", "rl"), int(getattr(module, "MAX_STALENESS", 0)),
+                    args, declared is not None)
+
+
+def _strict(model: type[BaseModel]) -> type[BaseModel]:
+    """`model` with unknown keys forbidden, as everywhere in the config."""
+    if model.model_config.get("extra") == "forbid":
+        return model
+    return type(model.__name__, (model,), {"model_config": ConfigDict(**{**model.model_config, "extra": "forbid"}),
+                                           "__module__": model.__module__})
+
+
+def _keyword_args(ref: str, build: Callable) -> type[BaseModel] | None:
+    """A model of build's keyword-only arguments (their annotations, else the type of the default)."""
+    params = [p for p in inspect.signature(build).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    if not params:
+        return None
+    try:
+        hints = typing.get_type_hints(build)
+    except Exception:  # noqa: BLE001 - an annotation naming what the module does not import
+        hints = {}
+    fields = {}
+    for p in params:
+        guess = type(p.default) if isinstance(p.default, (bool, int, float, str)) else Any
+        fields[p.name] = (hints.get(p.name, guess), ... if p.default is p.empty else p.default)
+    try:
+        return create_model("WorkflowArgs", __config__=ConfigDict(extra="forbid", frozen=True), **fields)
+    except Exception as exc:  # noqa: BLE001 - e.g. a default that does not fit its annotation
+        raise WorkflowError(f"workflow {ref!r}: its keyword-only arguments cannot be checked: {exc}") from None

@@ -8,20 +8,37 @@
 
 from __future__ import annotations
 
-from raygraph.rewards.registry import RewardFn, RewardRegistry, RewardResult
+from raygraph.rewards.registry import RewardFn, RewardRegistry, RewardResult, as_reward_result
 from raygraph.rewards.rules import REWARDS
 
 __all__ = ["RewardResult", "RewardFn", "RewardRegistry", "REWARDS", "names", "get",
-           "score_for_source"]
+           "score_for_source", "register_reward"]
+
+
+def register_reward(name: str, fn=None, *, sources: tuple[str, ...] = ()):
+    """Register a user reward function as `name` (call it from a plugin, see
+    docs/custom-algorithm.md), and as the reward of every data source in `sources`.
+
+    `fn(response_text, ground_truth, extra_info)` returns a number or a `RewardResult`. Use as a
+    call or as the decorator `@register_reward("x")`.
+
+    Raises:
+        ValueError: the name or a data source is taken, or `fn` does not take the three arguments.
+    """
+    if fn is None:
+        return lambda f: register_reward(name, f, sources=sources)
+    REWARDS.register(name, sources=tuple(sources))(as_reward_result(fn))
+    return fn
 
 
 def names() -> tuple[str, ...]:
-    """Names of the built-in reward functions (valid values of a config's reward function)."""
+    """Names of the registered reward functions (valid values of a config's reward function,
+    besides `file.py:fn` references)."""
     return REWARDS.names()
 
 
 def get(name: str) -> RewardFn:
-    """The built-in reward function `name`; ValueError listing valid names otherwise."""
+    """The reward function `name` (or `file.py:fn`); ValueError listing valid names otherwise."""
     return REWARDS.get(name)
 
 

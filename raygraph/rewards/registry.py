@@ -4,16 +4,24 @@
 
 `RewardResult.score` is the scalar reward of the whole response; `extras` are per-response
 metrics (e.g. ``acc``, ``format_ok``) that the reward workers expose as ``reward_extra.<name>``
-columns. Entries are registered at import time and never afterwards, so lookups are pure;
-tests that need other entries build their own `RewardRegistry`.
+columns. Built-in entries are registered at import time, user entries when a plugin is imported
+(`raygraph.register_reward`), and a name is never rebound, so lookups are pure; a name may also
+be a `file.py:fn` reference, looked up without registering it. A user function may return a
+plain number (it becomes `RewardResult(score)`). Tests that need other entries build their own
+`RewardRegistry`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["RewardResult", "RewardFn", "RewardRegistry"]
+from raygraph.algos.user_code import UserCodeError, is_code_ref, load_function
+
+__all__ = ["RewardResult", "RewardFn", "RewardRegistry", "as_reward_result"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,9 @@ class RewardRegistry:
         def decorator(fn: RewardFn) -> RewardFn:
             if name in self._fns:
                 raise ValueError(f"reward function {name!r} is already registered")
+            if not isinstance(name, str) or not name or is_code_ref(name):
+                raise ValueError(f"reward function name {name!r} must be a non-empty string without ':'")
+            _check_signature(fn, name)
             taken = [s for s in sources if s in self._by_source]
             if taken:
                 raise ValueError(f"data sources {taken} already have a reward function")
@@ -62,11 +73,16 @@ class RewardRegistry:
         return tuple(sorted(self._by_source))
 
     def get(self, name: str) -> RewardFn:
-        """The reward function registered as `name`; ValueError listing valid names otherwise."""
-        if name not in self._fns:
-            raise ValueError(f"unknown reward function {name!r}; valid names: "
-                             f"{', '.join(self.names())}")
-        return self._fns[name]
+        """The reward function registered as `name` or referenced as `file.py:fn` (its result made a
+        `RewardResult`); ValueError listing valid names otherwise."""
+        if name in self._fns:
+            return self._fns[name]
+        if is_code_ref(name):
+            fn = load_function(name)
+            _check_signature(fn, name)
+            return as_reward_result(fn)
+        raise ValueError(f"unknown reward function {name!r}; valid names: "
+                         f"{', '.join(self.names())} (or a reference to your own: file.py:function)")
 
     def score_for_source(self, data_source: str) -> RewardFn:
         """The reward function for `data_source`; ValueError listing known sources otherwise."""
@@ -77,3 +93,29 @@ class RewardRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._fns
+
+
+def _check_signature(fn: Callable, name: str) -> None:
+    try:
+        inspect.signature(fn).bind("response", "ground truth", None)
+    except TypeError as exc:
+        raise UserCodeError(f"reward function {name!r} must take (response_text, ground_truth, extra_info): "
+                            f"{exc}") from None
+    except ValueError:   # no signature to inspect (a builtin): trust it
+        pass
+
+
+def as_reward_result(fn: Callable) -> RewardFn:
+    """`fn` with a plain-number result turned into `RewardResult(score)` (a `RewardResult` passes)."""
+
+    @functools.wraps(fn)
+    def scored(response_text: str, ground_truth: str, extra_info: dict | None) -> RewardResult:
+        result = fn(response_text, ground_truth, extra_info)
+        if isinstance(result, RewardResult):
+            return result
+        if isinstance(result, numbers.Real):
+            return RewardResult(float(result))
+        raise TypeError(f"reward function {fn.__name__!r} returned {type(result).__name__}; "
+                        "return a number or a RewardResult")
+
+    return scored

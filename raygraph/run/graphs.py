@@ -49,5 +49,6 @@ def build_graphs(cfg: RaygraphConfig, workflow: Workflow) -> tuple[DAGNode, DAGN
     """
     builder = GraphBuilder(worker_classes(cfg, workflow.roles))
     rollout = cfg.rollout
-    return workflow.build(builder, cfg), validation_graph(builder, greedy=rollout.val_greedy, n=rollout.val_n,
-                                                          temperature=rollout.val_temperature)
+    step = workflow.build_graph(builder, cfg)   # with the config's workflow_args
+    return step, validation_graph(builder, greedy=rollout.val_greedy, n=rollout.val_n,
+                                  temperature=rollout.val_temperature)

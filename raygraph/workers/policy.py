@@ -75,8 +75,7 @@ class PolicyWorker:
                  device: str | None = None) -> None:
         if loss_agg not in losses.AGG_MODES:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
-        if policy_loss not in losses.policy_loss_names():
-            raise ValueError(f"unknown policy_loss {policy_loss!r}; valid: {', '.join(losses.policy_loss_names())}")
+        losses.policy_loss_fn(policy_loss)   # a registered name or file.py:fn; ValueError listing valid names
         if kl_loss_kind not in kl.names():
             raise ValueError(f"unknown kl_loss_kind {kl_loss_kind!r}; valid: {', '.join(kl.names())}")
         torch.manual_seed(seed)
@@ -142,7 +141,7 @@ class PolicyWorker:
             loss = loss + self.kl_loss_coef * kl_loss
             terms["kl_loss"] = kl_loss.detach()
         token_mean = entropy.detach().sum() / mask.sum().clamp(min=1)
-        stats = {k: stats[k] for k in ("clipfrac", "approx_kl")} | {"entropy": token_mean}
+        stats = dict(stats) | {"entropy": token_mean}   # every stat the loss reports becomes actor/<key>
         return _train.MicroResult(loss=loss, loss_terms=terms, token_stats=stats)
 
     def _track_rollout_gap(self, micro: Batch, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -167,8 +166,9 @@ class PolicyWorker:
         sampled (on the first optimizer step's rows).
 
         Returns:
-            `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/approx_kl`,
-            `actor/entropy`, `actor/kl_loss`, `actor/skipped_steps`: means over the optimizer
+            `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/clipfrac_lower`,
+            `actor/approx_kl` (a user loss: the stats it returns), `actor/entropy`,
+            `actor/kl_loss`, `actor/skipped_steps`: means over the optimizer
             steps of this call, global over ranks (identical on every rank); `actor/lr`: the
             lr of the last step.
         """

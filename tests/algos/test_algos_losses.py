@@ -204,6 +204,28 @@ def test_reinforce_hand_values():
     assert_close(logprobs.grad, torch.tensor([[-1.0, 0.5]]))
 
 
+def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
+    # 3 valid tokens (t3 masked); ratio r = exp(new - old) = [1, 2, 0.5, 1]; eps_low 0.2, eps_high 0.28
+    # clipped weight w = clip(r, 0.8, 1.28) = [1, 1.28, 0.8, 1] (a constant: stop-gradient)
+    # token loss -w A log pi: t0 -1*1*(-1) = 1; t1 -1.28*1*(-2) = 2.56; t2 -0.8*(-1)*(-0.5) = -0.4
+    # token-mean = (1 + 2.56 - 0.4) / 3 = 3.16 / 3; d loss / d log pi_t = -w_t A_t / 3
+    new = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], requires_grad=True)
+    log_ratio = torch.tensor([[0.0, math.log(2.0), math.log(0.5), 0.0]])
+    inputs = {"old_logprobs": new.detach() - log_ratio, "advantages": torch.tensor([[1.0, 1.0, -1.0, 5.0]]),
+              "response_mask": torch.tensor([[1, 1, 1, 0]]), "clip_low": 0.2, "clip_high": 0.28}
+    loss, stats = losses.policy_loss("cispo", logprobs=new, **inputs)
+    assert_close(loss, torch.tensor(3.16 / 3))
+    assert_close(stats["clipfrac"], torch.tensor(1 / 3))        # t1: r = 2 > 1.28
+    assert_close(stats["clipfrac_lower"], torch.tensor(1 / 3))  # t2: r = 0.5 < 0.8
+    assert_close(stats["approx_kl"], torch.tensor(0.0))         # (0 - ln 2 + ln 2) / 3
+    loss.backward()
+    assert_close(new.grad, torch.tensor([[-1.0, -1.28, 0.8, 0.0]]) / 3)
+    # PPO drops t1's gradient (A > 0 and r above the clip range); CISPO only scales it
+    ppo_new = new.detach().clone().requires_grad_()
+    losses.policy_loss("ppo", logprobs=ppo_new, **inputs)[0].backward()
+    assert float(ppo_new.grad[0, 1]) == 0.0
+
+
 @pytest.mark.parametrize("name", losses.policy_loss_names())
 @pytest.mark.parametrize("agg", losses.AGG_MODES)
 def test_policy_loss_contract(name, agg):
@@ -222,7 +244,7 @@ def test_policy_loss_contract(name, agg):
 
 
 def test_policy_loss_errors():
-    with pytest.raises(ValueError, match="valid names: gspo, ppo, reinforce"):
+    with pytest.raises(ValueError, match="valid names: cispo, gspo, ppo, reinforce"):
         losses.policy_loss("ppo2", **_ppo_inputs())
     with pytest.raises(ValueError, match="aggregation mode"):
         losses.policy_loss("ppo", **_ppo_inputs(), agg="sum")
