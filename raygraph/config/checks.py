@@ -55,7 +55,8 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
 def semantic_problems(cfg: RaygraphConfig) -> list[str]:
     """Cross-field rules, in plain language (no imports beyond the schema)."""
     problems: list[str] = []
-    for check in (_batch_split, _groups, _reward, _reference, _placement, _pools, _data, _trainer):
+    for check in (_batch_split, _groups, _reward, _reference, _placement, _pools, _data, _chat_template,
+                  _trainer):
         problems.extend(check(cfg))
     return problems
 
@@ -227,6 +228,13 @@ def _data(cfg: RaygraphConfig) -> list[str]:
         problems.append("data.toy writes its preference pairs to train_dpo.parquet; with data.format=dpo "
                         "data.train_files must name that file")
     return problems
+
+
+def _chat_template(cfg: RaygraphConfig) -> list[str]:
+    if cfg.data.chat_template_kwargs and not cfg.data.apply_chat_template:
+        return ["data.chat_template_kwargs is set but data.apply_chat_template is false, so no template "
+                "would see them; remove them or apply the chat template"]
+    return []
 
 
 def _trainer(cfg: RaygraphConfig) -> list[str]:

@@ -104,6 +104,9 @@ class DataConfig(Section):
                             "Never truncated.")
     shuffle: bool = Field(True, description="Shuffle training prompts each epoch (seeded by trainer.seed).")
     apply_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables of the chat template, passed to the tokenizer's "
+        "apply_chat_template (e.g. {enable_thinking: false} for Qwen3); needs apply_chat_template.")
     toy: ToyDataConfig | None = Field(None, description="If set and the data files are missing, generate the "
                                                         "toy task into the directory of data.train_files.")
 

@@ -38,7 +38,8 @@ def check_messages(prompt: Any) -> Messages | None:
     return messages
 
 
-def format_prompt(tokenizer: Any, messages: Messages, apply_chat_template: bool = True) -> str:
+def format_prompt(tokenizer: Any, messages: Messages, apply_chat_template: bool = True,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text the model is conditioned on.
 
     Args:
@@ -46,13 +47,16 @@ def format_prompt(tokenizer: Any, messages: Messages, apply_chat_template: bool 
         messages: chat messages, already checked by `check_messages`.
         apply_chat_template: render with the tokenizer's template and the generation prompt;
             otherwise join the contents with blank lines.
+        chat_template_kwargs: extra variables of the template (e.g. ``enable_thinking=False``
+            for Qwen3), passed to ``tokenizer.apply_chat_template``.
     """
     if not apply_chat_template:
         return "\n\n".join(m["content"] for m in messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("apply_chat_template=True but the tokenizer has no chat template; "
                          "set apply_chat_template=False for a base model")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(chat_template_kwargs or {}))
 
 
 def encode_text(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

@@ -83,7 +83,7 @@ class _Tokenized:
     """Shared tokenization and length policy for SFT and DPO (one response column or two)."""
 
     def __init__(self, source, tokenizer, max_prompt_length, max_response_length, overlong,
-                 apply_chat_template, columns):
+                 apply_chat_template, columns, chat_template_kwargs=None):
         check_overlong(overlong)
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs eos and pad tokens")
@@ -95,7 +95,7 @@ class _Tokenized:
             messages = check_messages(row.get("prompt"))
             if messages is None:
                 raise ValueError(f"{where} has a missing or empty prompt, got {row.get('prompt')!r}")
-            prompts.append(format_prompt(tokenizer, messages, apply_chat_template))
+            prompts.append(format_prompt(tokenizer, messages, apply_chat_template, chat_template_kwargs))
             for c in columns:
                 responses[c].append(_response_text(row, messages, where, c))
         p_ids = encode_text(tokenizer, prompts, add_special_tokens=not apply_chat_template)
@@ -149,13 +149,14 @@ class SFTDataset(_Tokenized):
         max_response_length: longest allowed response in tokens, eos included.
         overlong: "drop" (one counted warning) or "error".
         apply_chat_template: render the prompt with the tokenizer's chat template.
+        chat_template_kwargs: extra variables of the chat template (e.g. enable_thinking).
     """
 
     def __init__(self, source: str | Path | Sequence[Any], tokenizer: Any, max_prompt_length: int,
                  max_response_length: int, overlong: str = "drop",
-                 apply_chat_template: bool = True) -> None:
+                 apply_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> None:
         super().__init__(source, tokenizer, max_prompt_length, max_response_length, overlong,
-                         apply_chat_template, ("response",))
+                         apply_chat_template, ("response",), chat_template_kwargs)
 
     def to_batch(self, indices: Sequence[int]) -> Batch:
         """Examples at `indices` as a `Batch` (columns in the module docstring)."""
@@ -172,9 +173,9 @@ class DPODataset(_Tokenized):
 
     def __init__(self, source: str | Path | Sequence[Any], tokenizer: Any, max_prompt_length: int,
                  max_response_length: int, overlong: str = "drop",
-                 apply_chat_template: bool = True) -> None:
+                 apply_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> None:
         super().__init__(source, tokenizer, max_prompt_length, max_response_length, overlong,
-                         apply_chat_template, ("chosen", "rejected"))
+                         apply_chat_template, ("chosen", "rejected"), chat_template_kwargs)
 
     def to_batch(self, indices: Sequence[int]) -> Batch:
         """Pairs at `indices` as a `Batch` of 2 * len(indices) rows (see `collate_pairs`)."""
@@ -184,13 +185,14 @@ class DPODataset(_Tokenized):
 
 def load_offline_dataset(kind: str, source: str | Path | Sequence[Any], tokenizer: Any, *,
                          max_prompt_length: int, max_response_length: int, overlong: str = "drop",
-                         apply_chat_template: bool = True) -> SFTDataset | DPODataset:
+                         apply_chat_template: bool = True,
+                         chat_template_kwargs: dict | None = None) -> SFTDataset | DPODataset:
     """`SFTDataset` for ``kind="sft"``, `DPODataset` for ``kind="dpo"`` (same arguments)."""
     classes = {"sft": SFTDataset, "dpo": DPODataset}
     if kind not in classes:
         raise ValueError(f"unknown offline dataset kind {kind!r}; valid: {', '.join(classes)}")
     return classes[kind](source, tokenizer, max_prompt_length, max_response_length, overlong,
-                         apply_chat_template)
+                         apply_chat_template, chat_template_kwargs)
 
 
 def collate_pairs(pairs: Sequence[Sequence[Example]], pad_token_id: int,

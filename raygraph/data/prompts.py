@@ -139,6 +139,7 @@ class PromptDataset:
         overlong: "drop" (skip with one counted warning) or "error".
         apply_chat_template: render messages with the tokenizer's chat template (see
             `raygraph.data.chat.format_prompt`).
+        chat_template_kwargs: extra variables of the chat template (e.g. enable_thinking).
 
     Attributes:
         n_dropped: number of over-long prompts dropped.
@@ -146,7 +147,8 @@ class PromptDataset:
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any,
                  max_prompt_length: int, overlong: str = "drop",
-                 apply_chat_template: bool = True) -> None:
+                 apply_chat_template: bool = True,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         check_overlong(overlong)
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
@@ -162,7 +164,7 @@ class PromptDataset:
                                  f"got {row.get('prompt')!r}")
             if not isinstance(row.get("data_source"), str) or not row["data_source"]:
                 raise ValueError(f"{path}: row {i} has no data_source (a non-empty string)")
-            texts.append(format_prompt(tokenizer, messages, apply_chat_template))
+            texts.append(format_prompt(tokenizer, messages, apply_chat_template, chat_template_kwargs))
         ids = encode_text(tokenizer, texts, add_special_tokens=not apply_chat_template)
         self.rows: list[PromptRow] = []
         overlong_at = []

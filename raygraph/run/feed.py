@@ -52,7 +52,8 @@ class StepData:
 
         def prompts(files):
             return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length,
-                                 overlong=d.overlong_prompt, apply_chat_template=d.apply_chat_template)
+                                 overlong=d.overlong_prompt, apply_chat_template=d.apply_chat_template,
+                                 chat_template_kwargs=d.chat_template_kwargs)
 
         if data_format == "rl":
             train = prompts(d.train_files)
@@ -60,7 +61,8 @@ class StepData:
             train = load_offline_dataset(data_format, d.train_files, tokenizer,
                                          max_prompt_length=d.max_prompt_length,
                                          max_response_length=cfg.rollout.max_new_tokens,
-                                         apply_chat_template=d.apply_chat_template)
+                                         apply_chat_template=d.apply_chat_template,
+                                         chat_template_kwargs=d.chat_template_kwargs)
         val_set = prompts(d.val_files) if d.val_files else None
         check_data(cfg, train, val_set.rows if val_set is not None else (), tokenizer)  # every problem at once
         sampler = ResumableSampler(len(train), d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)

@@ -43,7 +43,8 @@ def warm_start_batches(cfg) -> Iterator[Batch]:
     dataset = load_offline_dataset("sft", ws.files or cfg.data.train_files, tokenizer,
                                    max_prompt_length=cfg.data.max_prompt_length,
                                    max_response_length=cfg.rollout.max_new_tokens,
-                                   apply_chat_template=cfg.data.apply_chat_template)
+                                   apply_chat_template=cfg.data.apply_chat_template,
+                                   chat_template_kwargs=cfg.data.chat_template_kwargs)
     sampler = ResumableSampler(len(dataset), ws.batch_size, seed=cfg.trainer.seed)
     for _ in range(ws.steps):
         yield dataset.to_batch(sampler.next_indices())
