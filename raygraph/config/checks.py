@@ -56,7 +56,7 @@ def semantic_problems(cfg: RaygraphConfig) -> list[str]:
     """Cross-field rules, in plain language (no imports beyond the schema)."""
     problems: list[str] = []
     for check in (_batch_split, _groups, _reward, _reference, _placement, _pools, _data, _chat_template,
-                  _trainer):
+                  _mixing, _trainer):
         problems.extend(check(cfg))
     return problems
 
@@ -235,6 +235,24 @@ def _chat_template(cfg: RaygraphConfig) -> list[str]:
         return ["data.chat_template_kwargs is set but data.apply_chat_template is false, so no template "
                 "would see them; remove them or apply the chat template"]
     return []
+
+
+def _mixing(cfg: RaygraphConfig) -> list[str]:
+    data = cfg.data
+    weights = data.train_weights
+    if weights is None:
+        return []
+    problems = []
+    if len(weights) != len(data.train_files):
+        problems.append(f"data.train_weights has {len(weights)} weights for {len(data.train_files)} files of "
+                        "data.train_files; give one weight per file")
+    if any(w <= 0 for w in weights):
+        problems.append(f"data.train_weights={weights}: every weight must be > 0 (drop a file to leave it out)")
+    if len(set(data.train_files)) != len(data.train_files):
+        problems.append("data.train_weights: data.train_files names a file twice; give each file once")
+    if data.format != "rl":
+        problems.append(f"data.train_weights mixes RL prompt files; data.format={data.format} is not mixed yet")
+    return problems
 
 
 def _trainer(cfg: RaygraphConfig) -> list[str]:

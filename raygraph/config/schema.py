@@ -91,6 +91,10 @@ class ToyDataConfig(Section):
 class DataConfig(Section):
     train_files: list[str] = Field(description="Training parquet file(s) in the verl-compatible schema; "
                                                "a single string is accepted.")
+    train_weights: list[float] | None = Field(
+        None, description="Mix the training files in these proportions, one weight > 0 per file of "
+        "data.train_files (normalised; each file is reshuffled on its own epochs); null = every row of the "
+        "files alike. data.format rl only.")
     val_files: list[str] = Field(default_factory=list, description="Validation parquet file(s); empty = no "
                                                                    "validation.")
     format: Literal["rl", "sft", "dpo"] = Field("rl", description="Row format: rl (prompt + ground truth), "

@@ -143,6 +143,7 @@ class PromptDataset:
 
     Attributes:
         n_dropped: number of over-long prompts dropped.
+        rows_per_file: prompts kept from each file, in the order given (rows are in that order).
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any,
@@ -168,13 +169,16 @@ class PromptDataset:
         ids = encode_text(tokenizer, texts, add_special_tokens=not apply_chat_template)
         self.rows: list[PromptRow] = []
         overlong_at = []
+        kept: dict[str, int] = {str(p): 0 for p in ([files] if isinstance(files, (str, Path)) else files)}
         for (path, i, row), text, tok in zip(raw, texts, ids):
             if len(tok) > max_prompt_length:
                 overlong_at.append((path, i, len(tok)))
                 continue
+            kept[path] += 1
             self.rows.append(PromptRow(len(self.rows), list(tok), text, row["data_source"],
                                        _ground_truth(row), dict(row.get("extra_info") or {})))
         self.n_dropped = len(overlong_at)
+        self.rows_per_file = list(kept.values())
         if overlong_at:
             path, i, n = overlong_at[0]
             what = (f"{len(overlong_at)} of {len(raw)} prompts are longer than "
@@ -190,18 +194,19 @@ class PromptDataset:
     def __getitem__(self, index: int) -> PromptRow:
         return self.rows[index]
 
-    def to_batch(self, indices: Sequence[int], epoch: int | str = 0) -> Batch:
+    def to_batch(self, indices: Sequence[int], epoch: int | str | list = 0) -> Batch:
         """The prompts at `indices` as a `Batch` (see `collate_prompts`)."""
         return collate_prompts([self.rows[i] for i in indices], self.tokenizer.pad_token_id, epoch)
 
 
-def collate_prompts(rows: Sequence[PromptRow], pad_token_id: int, epoch: int | str = 0) -> Batch:
+def collate_prompts(rows: Sequence[PromptRow], pad_token_id: int, epoch: int | str | list = 0) -> Batch:
     """Rows -> `Batch` with the prompt columns every workflow starts from.
 
     Args:
         rows: prompts, e.g. `dataset[i]` for the sampler's indices.
         pad_token_id: left-padding value.
-        epoch: part of the uid, so that a prompt seen in two epochs gets two groups.
+        epoch: part of the uid, so that a prompt seen in two epochs gets two groups; one per
+            row when rows come from sources with epochs of their own (`MixedSampler.epochs`).
 
     Returns:
         Batch with tensors `prompt_ids` (B, P) int64 left-padded and `prompt_mask` (B, P) int64;
@@ -216,7 +221,8 @@ def collate_prompts(rows: Sequence[PromptRow], pad_token_id: int, epoch: int | s
     return Batch(
         tensors={PROMPT_IDS: ids, PROMPT_MASK: mask},
         non_tensors={
-            UID: [f"{epoch}-{r.index}" for r in rows],
+            UID: [f"{e}-{r.index}" for e, r in zip(epoch if isinstance(epoch, list) else [epoch] * len(rows),
+                                                    rows, strict=True)],
             DATA_SOURCE: [r.data_source for r in rows],
             GROUND_TRUTH: [r.ground_truth for r in rows],
             PROMPT_TEXT: [r.prompt_text for r in rows],

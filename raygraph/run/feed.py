@@ -11,6 +11,7 @@ from typing import Any
 
 from raygraph.batch import NEXT_PROMPTS, UID, Batch
 from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
+from raygraph.data.sampler import MixedSampler
 from raygraph.models.loading import load_tokenizer
 from raygraph.run.data_checks import check_data
 
@@ -65,7 +66,11 @@ class StepData:
                                          chat_template_kwargs=d.chat_template_kwargs)
         val_set = prompts(d.val_files) if d.val_files else None
         check_data(cfg, train, val_set.rows if val_set is not None else (), tokenizer)  # every problem at once
-        sampler = ResumableSampler(len(train), d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)
+        if d.train_weights is not None:   # the config checks: data.format rl, one weight per file
+            sampler = MixedSampler(train.rows_per_file, d.train_weights, d.prompts_per_step, seed=cfg.trainer.seed,
+                                   shuffle=d.shuffle)
+        else:
+            sampler = ResumableSampler(len(train), d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)
         val = None
         if val_set is not None:
             n_val = min(len(val_set), d.val_prompts or len(val_set))
@@ -98,5 +103,6 @@ class StepData:
     def _draw(self) -> Batch:
         indices = self.sampler.next_indices()
         if isinstance(self.train, PromptDataset):  # uids must differ between epochs
-            return self.train.to_batch(indices, epoch=self.sampler.epoch)
+            epoch = self.sampler.epochs if isinstance(self.sampler, MixedSampler) else self.sampler.epoch
+            return self.train.to_batch(indices, epoch=epoch)
         return self.train.to_batch(indices)
