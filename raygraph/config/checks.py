@@ -15,14 +15,15 @@ from raygraph.algos import advantages, dpo, kl, losses
 from raygraph.algos.user_code import is_code_ref
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs
 from raygraph.config.workflow_ref import Workflow
+from raygraph.models import lora as lora_models
 
-__all__ = ["config_problems", "registry_problems", "semantic_problems", "workflow_problems"]
+__all__ = ["config_problems", "lora_problems", "registry_problems", "semantic_problems", "workflow_problems"]
 
 
 def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> list[str]:
     """Every cross-field and registry problem of a structurally valid config, and (given the
     loaded `workflow`) every mismatch with what the workflow declares."""
-    problems = semantic_problems(cfg) + registry_problems(cfg)
+    problems = semantic_problems(cfg) + registry_problems(cfg) + lora_problems(cfg)
     return problems + (workflow_problems(cfg, workflow) if workflow is not None else [])
 
 
@@ -170,7 +171,7 @@ def _active_roles(cfg: RaygraphConfig) -> dict[str, int]:
     """Role -> number of workers, for the roles this config runs."""
     place = cfg.placement
     roles = {"policy": place.train_workers, "rollout": place.rollout_workers, "reward": place.rollout_workers}
-    if cfg.uses_reference:
+    if cfg.uses_reference and not cfg.reference_from_policy:
         roles["reference"] = place.train_workers
     if cfg.uses_critic:
         roles["critic"] = place.train_workers
@@ -260,6 +261,46 @@ def _trainer(cfg: RaygraphConfig) -> list[str]:
         return [f"trainer.val_every={cfg.trainer.val_every} but data.val_files is empty: "
                 "there is nothing to validate on"]
     return []
+
+
+def lora_problems(cfg: RaygraphConfig) -> list[str]:
+    """`model.lora` against the options it cannot work with and against the model's layers (on a
+    weightless copy built from the model's config: targets that match nothing or no linear layer,
+    a rank above a layer's dimension), so a bad setting fails before anything starts."""
+    lora = cfg.model.lora
+    if lora is None:
+        return []
+    problems = []
+    if lora.dropout > 0 and cfg.data.format == "rl" and cfg.old_logprobs_source != "update":
+        problems.append(f"model.lora.dropout={lora.dropout} with old log-probs from a {cfg.old_logprobs_source} "
+                        "pass: that pass runs without dropout and the update with it, so the PPO ratio would "
+                        "differ from 1 on policy; use model.lora.dropout=0 for RL")
+    model_config = _model_config(cfg)
+    if model_config is None:
+        return problems
+    spec = lora_models.LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                target_modules=_targets(lora.target_modules))
+    try:
+        lora_models.check_lora_on_config(model_config, spec)
+    except lora_models.LoraError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _targets(value) -> str | tuple[str, ...]:
+    return value if isinstance(value, str) else tuple(value)
+
+
+def _model_config(cfg: RaygraphConfig):
+    """The policy's HF config (read from model.path, or the tiny preset it will be built from);
+    None when neither is available here (the worker checks the same when it loads the model)."""
+    from transformers import AutoConfig
+
+    from raygraph.models.tiny import tiny_config
+
+    if (Path(cfg.model.path) / "config.json").is_file():
+        return AutoConfig.from_pretrained(cfg.model.path)
+    return tiny_config(cfg.model.tiny_size) if cfg.model.build_tiny else None
 
 
 def registry_problems(cfg: RaygraphConfig) -> list[str]:

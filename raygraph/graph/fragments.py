@@ -6,7 +6,7 @@ from __future__ import annotations
 from raygraph.graph import whole_batch
 from raygraph.graph.nodes import InputNode, MultiOutputNode
 
-__all__ = ["rollout_columns", "validation_graph", "update_batch"]
+__all__ = ["reference_logprobs", "rollout_columns", "validation_graph", "update_batch"]
 
 
 def rollout_columns(roles, cfg, rollouts) -> list:
@@ -20,9 +20,18 @@ def rollout_columns(roles, cfg, rollouts) -> list:
     parts = [roles.reward.bind("score", rollouts)]
     if cfg.old_logprobs_source == "recompute":
         parts.append(roles.policy.bind("logprobs", rollouts))
-    if "reference" in roles.names():
-        parts.append(roles.reference.bind("logprobs", rollouts))
+    if cfg.uses_reference or "reference" in roles.names():
+        parts.append(reference_logprobs(roles, cfg, rollouts))
     return parts
+
+
+def reference_logprobs(roles, cfg, batch):
+    """The node computing `ref_logprobs` of `batch`: the reference role's, or with `model.lora`
+    the policy's own model with its adapter disabled (the frozen base is the reference, so no
+    second copy of the model is started; `cfg.reference_from_policy`)."""
+    if cfg.reference_from_policy:
+        return roles.policy.bind("ref_logprobs", batch)
+    return roles.reference.bind("logprobs", batch)
 
 
 def update_batch(roles, cfg, batch):

@@ -74,7 +74,8 @@ def use_packed(model: nn.Module, packed: bool | None) -> bool:
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft passes it on
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def _logits_at(model: nn.Module, positions: Tensor, **inputs: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ from transformers import (
     Qwen2Config,
 )
 
-__all__ = ["build_tiny_tokenizer", "build_tiny_lm", "build_tiny_reward_model", "built_size", "TINY_SIZES"]
+__all__ = ["build_tiny_tokenizer", "build_tiny_lm", "tiny_config", "build_tiny_reward_model", "built_size", "TINY_SIZES"]
 
 PAD, EOS, BOS = "<|pad|>", "<|end|>", "<|start|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -68,6 +68,11 @@ def _qwen2_config(tok: PreTrainedTokenizerFast, size: str, **overrides) -> Qwen2
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
         **overrides,
     )
+
+
+def tiny_config(size: str = "tiny") -> Qwen2Config:
+    """The config `build_tiny_lm` would save for `size` (no weights are made)."""
+    return _qwen2_config(build_tiny_tokenizer(), size)
 
 
 def build_tiny_lm(path: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:

@@ -34,6 +34,8 @@ def worker_classes(cfg: RaygraphConfig, role_names: tuple[str, ...]) -> dict[str
     table = {"policy": PolicyWorker, "critic": CriticWorker, "reference": ReferenceWorker,
              "rollout": _ROLLOUT_WORKERS[cfg.rollout_engine], "reward": _REWARD_WORKERS[cfg.reward.kind]}
     wanted = set(role_names) | ({"reference"} if cfg.uses_reference else set())
+    if cfg.reference_from_policy:
+        wanted.discard("reference")   # policy.ref_logprobs: the policy with its adapter disabled
     unknown = wanted - set(table)
     if unknown:
         raise ValueError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(table)}")

@@ -7,6 +7,7 @@ keyword arguments and never see the config object.
 from __future__ import annotations
 
 from raygraph.cluster import PoolSpec, RoleSpec
+from raygraph.models.lora import LoraSpec
 from raygraph.run.graphs import worker_classes
 
 __all__ = ["optimizer_steps_per_batch", "role_specs", "pools_for", "colocation"]
@@ -38,9 +39,25 @@ def _optim_args(cfg, section) -> dict:
     }
 
 
+def _lora(cfg) -> LoraSpec | None:
+    lora = cfg.model.lora
+    if lora is None:
+        return None
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
+
+
+def _lora_args(cfg) -> dict:
+    """The policy's LoRA and what its weight syncs send: what the rollout worker class takes."""
+    if cfg.model.lora is None:
+        return {}
+    rollout_cls = worker_classes(cfg, ("rollout",))["rollout"]
+    return {"lora": _lora(cfg), "lora_sync": rollout_cls.lora_sync}
+
+
 def _policy_args(cfg) -> dict:
     actor = cfg.actor
-    return {
+    return {**_lora_args(cfg),
         **_model_args(cfg), **_optim_args(cfg, actor),
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "policy_loss": actor.policy_loss, "clip_low": actor.clip_low, "clip_high": actor.clip_high,
@@ -73,7 +90,8 @@ def _rollout_args(cfg) -> dict:
         return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization, "max_model_len": r.max_model_len,
                 "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
                 "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps}
-    return {**sampling, "attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size}
+    hf = {"attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size}
+    return {**sampling, **hf, **({"lora": _lora(cfg)} if cfg.model.lora is not None else {})}
 
 
 def _reward_args(cfg) -> dict:

@@ -41,7 +41,9 @@ from raygraph.batch import (
 )
 from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
+from raygraph.models.lora import LoraSpec
 from raygraph.workers import _train
+from raygraph.workers.adapter import PolicyAdapter
 from raygraph.workers.distributed import all_reduce, lockstep, rank
 from raygraph.workers.trained_model import TrainedModel
 
@@ -61,6 +63,8 @@ class PolicyWorker:
     whole shard; `micro_batch_size` rows per forward), the loss (`policy_loss` name from
     `raygraph.algos.losses`, `clip_low`, `clip_high`, `dual_clip`, `loss_agg`, `entropy_coef`,
     `kl_loss_coef` with estimator `kl_loss_kind`), and `temperature` (the sampler's).
+    With `lora` (docs/lora.md) only adapters train, `ref_logprobs` is the base model's, and
+    `weight_buckets` yields what `lora_sync` names ("adapter" | "merged", `workers.adapter`).
     """
 
     def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto",
@@ -72,7 +76,7 @@ class PolicyWorker:
                  policy_loss: str = "ppo", clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 3.0,
                  loss_agg: str = "token-mean", entropy_coef: float = 0.0, kl_loss_coef: float = 0.0,
                  kl_loss_kind: str = "k3", temperature: float = 1.0, seed: int = 0,
-                 device: str | None = None) -> None:
+                 lora: LoraSpec | None = None, lora_sync: str = "adapter", device: str | None = None) -> None:
         if loss_agg not in losses.AGG_MODES:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
         losses.policy_loss_fn(policy_loss)   # a registered name or file.py:fn; ValueError listing valid names
@@ -82,6 +86,9 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path, dtype="float32", attn_impl=attn_impl,
                                gradient_checkpointing=gradient_checkpointing)
+        self.adapter = None if lora is None else PolicyAdapter(lora, sync=lora_sync, dtype=dtype)
+        if self.adapter is not None:
+            model = self.adapter.wrap(model)
         self.trained = TrainedModel(
             model, dtype=dtype, device=device, lr=lr, weight_decay=weight_decay, betas=betas,
             warmup_steps=warmup_steps, total_steps=total_steps, lr_schedule=lr_schedule,
@@ -116,6 +123,16 @@ class PolicyWorker:
                 logprobs.append(pad_right(lp.float().cpu(), width))
                 entropy.append(pad_right(ent.float().cpu(), width))
         return Batch({OLD_LOGPROBS: torch.cat(logprobs), ENTROPY: torch.cat(entropy)})
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: Batch) -> Batch:
+        """`Batch[ref_logprobs (B, R)]`: the base model's log-probs (adapter disabled), the
+        reference of a LoRA policy without a second model. Needs `lora`."""
+        if self.adapter is None:
+            raise RuntimeError("PolicyWorker.ref_logprobs needs LoRA (model.lora): without adapters the "
+                               "policy is not the reference; run a ReferenceWorker")
+        with self.adapter.reference(self.model):
+            return Batch({REF_LOGPROBS: self.logprobs(batch)[OLD_LOGPROBS]})
 
     # ------------------------------------------------------------------------------ training
     def _ppo_loss(self, micro: Batch) -> _train.MicroResult:
@@ -201,10 +218,11 @@ class PolicyWorker:
              defaults: dict[str, float], optimizer=None, scheduler=None) -> dict[str, float]:
         metrics = self.trained.train(batch, loss_fn, mask_key=mask_key, loss_agg=agg, epochs=epochs,
                                      optimizer=optimizer, scheduler=scheduler)
+        sync = self.adapter.metrics() if self.adapter is not None else {}
         if metrics["skipped_steps"]:
             log.warning("policy: skipped %d optimizer step(s) with a non-finite loss or gradient norm",
                         metrics["skipped_steps"])
-        return {f"actor/{k}": v for k, v in (defaults | metrics).items()}
+        return {f"actor/{k}": v for k, v in (defaults | metrics).items()} | sync
 
     def _sft_loss(self, micro: Batch) -> _train.MicroResult:
         input_ids, attention_mask = micro[INPUT_IDS].to(self.device), micro[ATTENTION_MASK].to(self.device)
@@ -273,6 +291,8 @@ class PolicyWorker:
         keep them across an `update`.
         """
         dtype = None if dtype is None else resolve_dtype(dtype)
+        if self.adapter is not None:   # LoRA: the adapter only, or merged weights (`lora_sync`)
+            return self.adapter.weight_buckets(self.model, bucket_bytes, dtype)
         return _train.iter_weight_buckets(self.model, bucket_bytes, dtype, copy=False)
 
     def state_dict_for_checkpoint(self) -> dict:
@@ -287,7 +307,10 @@ class PolicyWorker:
         self.trained.load(path)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """HF `save_pretrained` format + tokenizer, written by rank 0 (all ranks must call)."""
+        """HF `save_pretrained` format + tokenizer, written by rank 0 (all ranks must call).
+        With LoRA: the merged model, and the adapter in PEFT format at `<path>_adapter`."""
+        if self.adapter is not None:
+            return self.adapter.save_pretrained(self.model, path, self.tokenizer)
         keep = rank() == 0  # other ranks only take part in the all-gathers
         state = {name: t.cpu() for bucket in self.weight_buckets() for name, t in bucket if keep}
         if keep:

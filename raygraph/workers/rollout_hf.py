@@ -45,6 +45,7 @@ from raygraph.batch import (
 )
 from raygraph.models.loading import load_causal_lm, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_runs
+from raygraph.models.lora import LoraSpec, apply_lora
 from raygraph.workers.distributed import default_device
 from raygraph.workers.prefetch import PrefetchedRollouts
 
@@ -85,12 +86,17 @@ class HFRolloutWorker:
         top_p, top_k: nucleus / top-k truncation (1.0 / 0 = off).
         stop_token_ids: extra ids that end a response (eos always does).
         micro_batch_size: rows per forward pass.
+        lora: the policy's LoRA adapters (docs/lora.md): this model gets the same (a fresh adapter
+            changes nothing) and weight syncs load the adapter tensors only (`lora_sync`).
         device: default: the current CUDA device, else CPU.
     """
 
+    lora_sync = "adapter"   # with LoRA the policy sends its adapter tensors (raygraph.workers.adapter)
+
     def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto", seed: int = 0,
                  n: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 stop_token_ids: Sequence[int] = (), micro_batch_size: int = 64, device: str | None = None) -> None:
+                 stop_token_ids: Sequence[int] = (), micro_batch_size: int = 64, lora: LoraSpec | None = None,
+                 device: str | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -99,6 +105,8 @@ class HFRolloutWorker:
         self.device = default_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_causal_lm(model_path, dtype=dtype, attn_impl=attn_impl).to(self.device)
+        if lora is not None:
+            self.model = apply_lora(self.model, lora).eval()
         self.model.requires_grad_(False)
         self.n, self.max_new_tokens, self.micro_batch_size = n, max_new_tokens, micro_batch_size
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k

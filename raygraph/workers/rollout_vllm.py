@@ -82,6 +82,10 @@ class VLLMRolloutWorker:
         max_num_seqs: requests decoded together (None: vLLM's default).
     """
 
+    # With LoRA the policy sends merged full weights: vLLM's own adapter path (LoRARequest, an
+    # adapter directory per request) is not wired here yet (docs/lora.md).
+    lora_sync = "merged"
+
     def __init__(self, *, model_path: str, dtype: str = "float32", seed: int = 0, n: int = 1,
                  max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), max_model_len: int | None = None,
