@@ -45,6 +45,8 @@ def test_a_valid_lora_config_has_no_problems():
                               "model.layers.0.self_attn.k_proj"),
     (("model.lora.dropout=0.1", "actor.ppo_epochs=2"), "model.lora.dropout=0.1 with old log-probs from a "
                                                        "recompute pass"),
+    (("model.dtype=bfloat16", "placement.train_workers=2"), "model.lora with placement.train_workers=2 (FSDP2) "
+                                                             "needs model.dtype=float32"),
     (("model.lora.rank=0",), "model.lora.rank=0: input should be greater than or equal to 1"),
 ])
 def test_bad_lora_settings_are_config_problems(overrides, message):

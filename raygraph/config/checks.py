@@ -275,6 +275,10 @@ def lora_problems(cfg: RaygraphConfig) -> list[str]:
         problems.append(f"model.lora.dropout={lora.dropout} with old log-probs from a {cfg.old_logprobs_source} "
                         "pass: that pass runs without dropout and the update with it, so the PPO ratio would "
                         "differ from 1 on policy; use model.lora.dropout=0 for RL")
+    if cfg.placement.train_workers > 1 and cfg.model.dtype != "float32":
+        problems.append(f"model.lora with placement.train_workers={cfg.placement.train_workers} (FSDP2) needs "
+                        f"model.dtype=float32, got {cfg.model.dtype}: FSDP2's bf16 gradient reduce fails on the "
+                        "adapters (not supported yet; one rank can use bf16)")
     model_config = _model_config(cfg)
     if model_config is None:
         return problems

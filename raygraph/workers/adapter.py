@@ -7,7 +7,9 @@
     adapter.save_pretrained(model, "…/hf", tokenizer)   # merged HF model + `…/hf_adapter` (PEFT)
 
 Memory: only the adapters have float32 master weights, gradients and AdamW moments; the frozen
-base is stored in the compute dtype (float32 on CPU, bfloat16 on GPUs). Under FSDP2 every walk
+base is stored in the compute dtype (float32 on CPU, bfloat16 on GPUs). FSDP2 with LoRA runs in
+float32 only: with bf16 mixed precision, torch 2.13's FSDP2 reduces the adapters' gradients in
+bf16 and refuses to assign them to the fp32 adapters (measured on CPU). Under FSDP2 every walk
 over the tensors (`weight_buckets`, `save_pretrained`) gathers each one on every rank, so all
 ranks must drain it in lockstep (as for full weights).
 """
@@ -31,7 +33,7 @@ from raygraph.models.lora import (
     merged_tensors,
     save_adapter,
 )
-from raygraph.workers.distributed import full_tensor, rank
+from raygraph.workers.distributed import full_tensor, is_distributed, rank
 
 __all__ = ["LORA_SYNCS", "PolicyAdapter", "adapter_dir"]
 
@@ -64,6 +66,9 @@ class PolicyAdapter:
         if sync not in LORA_SYNCS:
             raise ValueError(f"unknown lora_sync {sync!r}; valid: {', '.join(LORA_SYNCS)}")
         self.spec, self.sync, self.dtype = spec, sync, resolve_dtype(dtype)
+        if is_distributed() and self.dtype != torch.float32:
+            raise ValueError(f"LoRA with several FSDP2 ranks needs dtype float32, got {dtype} (see "
+                             "raygraph.workers.adapter: bf16 mixed precision fails in FSDP2's gradient reduce)")
         self.adapter_bytes = self.full_bytes = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -134,3 +134,18 @@ def test_hf_export_is_merged_and_the_adapter_is_in_peft_format(tiny_model_path, 
                                             str(adapter_dir(tmp_path / "hf")))
         assert torch.equal(adapter(ids).logits, expected)
     assert (tmp_path / "hf_adapter" / "adapter_config.json").is_file()
+
+
+def test_bf16_keeps_the_frozen_base_in_bf16_and_the_adapters_in_float32(tiny_model_path, rollout_batch):
+    worker = _policy(tiny_model_path, dtype="bfloat16")
+    dtypes = {n: p.dtype for n, p in worker.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert worker.adapter.full_bytes == 2 * sum(p.numel() for p in
+                                                AutoModelForCausalLM.from_pretrained(tiny_model_path).parameters())
+    batch = _train_batch(worker, rollout_batch)
+    norms = [worker.update(batch)["actor/grad_norm"] for _ in range(2)]
+    assert all(0 < n < float("inf") for n in norms)
+    reference = ReferenceWorker(model_path=tiny_model_path, dtype="bfloat16", temperature=0.9).logprobs(batch)
+    # same bf16 weights; the policy runs under autocast, the reference in plain bf16
+    torch.testing.assert_close(worker.ref_logprobs(batch)[REF_LOGPROBS], reference[REF_LOGPROBS], atol=0.05, rtol=0)
