@@ -1,0 +1,175 @@
+"""Chaos: kill -9 an actor of a short GRPO run at a step; the run recovers and finishes, the sample
+ledger shows every prompt trained exactly once, and the final weights equal those of a run that
+was never interrupted (checkpoints every step, sampling RNG checkpointed, CPU kernels
+deterministic: the redone step is the same computation).
+
+One uninterrupted reference run per layout (module fixture); each chaos run kills one actor."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raygraph.config import load_config
+from raygraph.run.ledger import check_ledger, effective_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = str(ROOT / "configs" / "grpo_toy.yaml")
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    from raygraph.data.toy import write_toy_dataset
+
+    out = tmp_path_factory.mktemp("chaos_data")
+    write_toy_dataset(out, n_train=40, n_val=8, seed=0)
+    return out
+
+
+def _cfg(tmp_path: Path, model: str, data: Path, run_name: str, *extra: str):
+    return load_config(TOY, [f"model.path={model}", "model.build_tiny=false", f"run_name={run_name}",
+                             f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
+                             f"trainer.output_dir={tmp_path}", f"trainer.total_steps={STEPS}",
+                             "trainer.save_every=1", "checkpoint.keep_last=0", "checkpoint.save_hf=true",
+                             "logging.mlflow=false", "data.val_prompts=4", "trainer.resume=auto",
+                             "trainer.max_restarts=2", *extra])
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{STEPS}" / "hf" / "model.safetensors"))
+
+
+def _expected_order(cfg) -> dict[int, list[str]]:
+    """The data order the sampler gives this config, computed without Ray."""
+    from raygraph.batch import UID
+    from raygraph.run.feed import StepData
+
+    data = StepData.load(cfg)
+    return {s: list(data.next_prompts(step=s, kl_coef=0.0)[UID]) for s in range(1, STEPS + 1)}
+
+
+class _Killer:
+    """Kill -9 the process of the run's actor whose name contains `role` once `after_step` is in
+    the ledger; remembers when (to time the detection)."""
+
+    def __init__(self, run_dir: Path, run_prefix: str, role: str, after_step: int):
+        self.run_dir, self.prefix, self.role, self.after = run_dir, run_prefix, role, after_step
+        self.killed_at: float | None = None
+        self.victim = ""
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self):
+        import ray
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.killed_at is None:
+            if self.after in effective_steps(self.run_dir):
+                names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a["name"].startswith(self.prefix) and self.role in a["name"]]
+                actor = ray.get_actor(sorted(names)[0])
+                pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+                os.kill(pid, signal.SIGKILL)
+                self.killed_at, self.victim = time.time(), sorted(names)[0]
+            time.sleep(0.05)
+
+
+def _recoveries(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
+
+
+LAYOUTS = {
+    "colocated": [],
+    "disaggregated_2_ranks": ["placement.mode=disaggregated", "placement.train_workers=2",
+                              "placement.rollout_workers=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_path, toy_data, ray_local):
+    """Final weights of uninterrupted runs, per layout."""
+    from raygraph.run.trainer import run
+
+    out = {}
+    for layout, extra in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(f"ref_{layout}")
+        out[layout] = _final_weights(run(_cfg(tmp, tiny_model_path, toy_data, "ref", *extra)).run_dir)
+    return out
+
+
+@pytest.mark.parametrize("layout, victim", [
+    ("colocated", "policy+rollout"),        # the policy, rollout and reward process of rank 0
+    ("disaggregated_2_ranks", "policy"),    # a policy rank of the 2-rank FSDP group (rank 0 by name order)
+    ("disaggregated_2_ranks", "rollout"),   # the rollout (+ reward) process
+    ("colocated", "coordinator"),           # the actor that runs whole-batch steps
+])
+def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_path, toy_data, ray_local,
+                                                          reference, layout, victim, capsys):
+    from raygraph.run.trainer import run
+
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "chaos", *LAYOUTS[layout])
+    run_dir = tmp_path / cfg.experiment / "chaos"
+    killer = _Killer(run_dir, f"{cfg.experiment}/chaos/", victim, after_step=2)
+    summary = run(cfg)
+    assert killer.killed_at is not None, "the killer never fired"
+    assert summary.steps_done == STEPS
+
+    recoveries = _recoveries(run_dir)
+    failure, resumed = recoveries[0], recoveries[1]
+    assert failure["recovery"] == 1 and resumed["resumed_from"] in (1, 2)   # killed after step 2 trained
+    detected_s = failure["time"] - killer.killed_at
+    print(f"\n[chaos] {layout}/{killer.victim}: failure detected {detected_s:.2f}s after kill -9, "
+          f"training again {resumed['restart_s']:.1f}s after detection")
+    assert detected_s < 10
+
+    assert check_ledger(run_dir, _expected_order(cfg)) == []          # none lost, none repeated
+    final = _final_weights(run_dir)
+    ref = reference[layout]
+    assert final.keys() == ref.keys()
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))   # each step once
+    assert any(m.get("recovery/count") == 1.0 for m in metrics)
+
+
+HANGING_REWARD = '''
+import time
+from pathlib import Path
+
+MARKER = Path({marker!r})
+
+
+def hang_once(response_text, ground_truth, extra_info):
+    """Scores like toy_arith, but the first call of the run never returns."""
+    if not MARKER.exists():
+        MARKER.write_text("hung")
+        time.sleep(10_000)
+    return float(response_text.strip() == str(ground_truth))
+'''
+
+
+def test_a_hanging_stage_is_named_by_the_watchdog_and_recovered(tmp_path, tiny_model_path, toy_data, ray_local,
+                                                                capsys):
+    from raygraph.run.trainer import run
+
+    plugin = tmp_path / "hanging_reward.py"
+    plugin.write_text(HANGING_REWARD.format(marker=str(tmp_path / "hung.marker")))
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "hang", f"reward.function={plugin}:hang_once",
+               "trainer.step_timeout_s=20")
+    summary = run(cfg)
+    assert summary.steps_done == STEPS
+    run_dir = summary.run_dir
+    failure = _recoveries(run_dir)[0]
+    assert failure["failed_step"] in (0, 1) and failure["cause"] == "no result within 20.0s"
+    assert "rank 0" in failure["where"] and failure["dead_actors"] == []   # hung, not dead
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    print(f"\n[chaos] hang: {failure['where']}: {failure['cause']}")
