@@ -41,7 +41,7 @@ def _config(args, engine: str = "vllm"):
 
     out = Path(args.out)
     overrides = {
-        "rollout.engine": engine, "model.tiny_size": args.size, "model.path": out / "models" / args.size,
+        "rollout.engine": engine, "model.tiny_size": args.size, "model.path": out / "runs" / "models" / args.size,
         "data.train_files": f"[{out / 'data' / 'train.parquet'}]", "data.val_files": f"[{out / 'data' / 'val.parquet'}]",
         "trainer.warm_start": "null", "logging.mlflow": "false", "trainer.output_dir": out / "runs",
         "trainer.total_steps": args.steps, "trainer.val_every": 0, "trainer.save_every": 0,

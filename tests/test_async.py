@@ -206,8 +206,10 @@ def test_workflow_without_an_async_dag_refuses_staleness(tmp_path):
 # --- real runs under Ray ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shared_assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    return {"model": root / "tiny-lm", "data": root / "toy"}
+    from raygraph.models.tiny import build_tiny_lm
+
+    root = tmp_path_factory.mktemp("assets")   # the model is built here: build_tiny builds only under output_dir
+    return {"model": build_tiny_lm(root / "tiny-lm"), "data": root / "toy"}
 
 
 def toy_overrides(assets, out_dir: Path, **extra) -> list[str]:

@@ -17,8 +17,10 @@ TOY_CONFIGS = sorted([REPO / "configs" / "grpo_toy.yaml", *(REPO / "configs" / "
 @pytest.fixture(scope="module")
 def shared_assets(tmp_path_factory):
     """One tiny model and one toy dataset for every run of this module."""
-    root = tmp_path_factory.mktemp("assets")
-    return {"model": root / "tiny-lm", "data": root / "toy"}
+    from raygraph.models.tiny import build_tiny_lm
+
+    root = tmp_path_factory.mktemp("assets")   # the model is built here: build_tiny builds only under output_dir
+    return {"model": build_tiny_lm(root / "tiny-lm"), "data": root / "toy"}
 
 
 def toy_overrides(assets, out_dir: Path, train_file: str = "train.parquet", **extra) -> list[str]:

@@ -160,6 +160,26 @@ class Roles:
                 keep_max(f"perf/cuda_peak_gb/{stats['unit']}", stats["cuda_peak_bytes"] / 2**30)
         return out
 
+    def dead_actors(self, timeout_s: float = 3.0) -> list[str]:
+        """Names of the run's actors that are dead (a ping fails with an actor error). A busy or
+        hung actor is not dead: its ping just does not answer within `timeout_s`."""
+        from ray.exceptions import RayActorError
+
+        names = {group.actors[r]._actor_id: site.actor_name
+                 for group in self.groups.values() for r, site in enumerate(group.sites)}
+        actors = [a for a in [*self.hosts, self.coordinator] if a is not None]
+        refs = {a.ping.remote(): a for a in actors}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                actor = refs[ref]
+                dead.append(names.get(actor._actor_id, f"{self.run_name}/coordinator"
+                                      if actor is self.coordinator else actor._actor_id.hex()))
+        return sorted(set(dead))
+
     # --- teardown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Kill every actor and remove every placement group (idempotent)."""

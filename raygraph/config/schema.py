@@ -257,6 +257,14 @@ class TrainerConfig(Section):
     ray_address: str | None = Field(None, description="Ray cluster to join; null = start a local Ray.")
     stop_timeout_s: float = Field(60.0, gt=0, description="After a stop signal (ray job stop, Ctrl-C): time "
                                   "allowed to finish the step and write a checkpoint before exiting.")
+    max_restarts: int = Field(3, ge=0, description="Recoveries of the run after an actor or node died, a stage "
+                                                   "timed out or a weight sync failed: roles rebuilt, newest "
+                                                   "checkpoint loaded, same data order (docs/fault-tolerance.md); "
+                                                   "0 = fail at the first such fault.")
+    step_timeout_s: float | None = Field(3600.0, gt=0, description="Watchdog: a training step (every stage of the "
+                                                                   "graph) not done in this many seconds fails, "
+                                                                   "naming the stage still running, and is "
+                                                                   "recovered; null = no bound.")
     warm_start: WarmStartConfig | None = Field(None, description="Optional SFT stage before RL.")
 
 

@@ -15,7 +15,6 @@ from raygraph.data.word_problems import write_word_problems
 from raygraph.models.tiny import build_tiny_lm, built_size
 from raygraph.run import resume
 from raygraph.run.resume import ResumePlan, default_run_name
-from raygraph.run.role_specs import pools_for
 
 __all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "quiet_progress_bars"]
 
@@ -61,18 +60,24 @@ def check_tiny_model_home(cfg) -> None:
             "elsewhere: fix the path, set model.build_tiny=false, or point model.path into that folder")
 
 
-def check_local_cpus(pools, machine_cpus: int) -> None:
+def _bundle_cpus(cfg) -> list[tuple[str, float]]:
+    """(config key, CPUs) of every bundle size the run asks for."""
+    p = cfg.placement
+    if p.pools:
+        return [(f"placement.pools.{name}.cpus_per_bundle", pool.cpus_per_bundle) for name, pool in p.pools.items()]
+    return [("placement.cpus_per_worker", p.cpus_per_worker)]
+
+
+def check_local_cpus(bundles: list[tuple[str, float]], machine_cpus: int) -> None:
     """On a local Ray, a bundle cannot use more CPUs than the machine has: each worker runs
     `cpus` torch threads (OMP_NUM_THREADS), and 64 threads on 2 cores ran 10x slower, silently.
     (On a cluster, a bundle larger than every node never gets placed: `placement_timeout_s`.)"""
-    for name, pool in pools:
-        if pool.cpus_per_bundle > machine_cpus:
-            key = "placement.cpus_per_worker" if name in ("main", "train", "rollout") else \
-                f"placement.pools.{name}.cpus_per_bundle"
-            raise ValueError(f"{key}={pool.cpus_per_bundle:g} is more than this machine's {machine_cpus} CPUs: on a "
-                             f"local Ray each worker would run {int(pool.cpus_per_bundle)} torch threads on "
-                             f"{machine_cpus} cores, many times slower. Set it to at most {machine_cpus}, or join a "
-                             "cluster (trainer.ray_address) whose nodes are that large")
+    for key, cpus in bundles:
+        if cpus > machine_cpus:
+            raise ValueError(f"{key}={cpus:g} is more than this machine's {machine_cpus} CPUs: on a local Ray each "
+                             f"worker would run {int(cpus)} torch threads on {machine_cpus} cores, many times "
+                             f"slower. Set it to at most {machine_cpus}, or join a cluster (trainer.ray_address) "
+                             "whose nodes are that large")
 
 
 def ensure_assets(cfg) -> None:
@@ -157,7 +162,7 @@ def start_ray(cfg, address: str | None) -> None:
         runtime_env = {"env_vars": {k: v for k, v in ACTOR_ENV.items() if k not in taken}}
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
-    check_local_cpus(pools_for(cfg).items(), os.cpu_count() or 1)
+    check_local_cpus(_bundle_cpus(cfg), os.cpu_count() or 1)
     # Ray starts workers at niceness 15 by default; on a busy machine the actors doing the compute
     # then lose the CPU to Ray's own daemons (measured in docs/benchmarks.md).
     os.environ.setdefault("RAY_worker_niceness", "0")

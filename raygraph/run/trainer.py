@@ -18,6 +18,7 @@ import ray
 
 from raygraph.algos.kl_control import make_kl_controller
 from raygraph.algos.user_code import import_plugins
+from raygraph.batch import UID
 from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.graph import whole_batch
@@ -26,6 +27,8 @@ from raygraph.run import resume
 from raygraph.run.feed import StepData, merge_outputs
 from raygraph.run.graphs import build_graphs
 from raygraph.run.health import UpdateHealth
+from raygraph.run.ledger import SampleLedger
+from raygraph.run.recovery import Recoveries
 from raygraph.run.role_specs import colocation, pools_for, role_specs
 from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import prepare_run, start_ray
@@ -57,16 +60,32 @@ def run(cfg, address: str | None = None) -> RunSummary:
     set; one that could not reach a boundary in time raises `RunStopped` (`raygraph.run.stopping`).
     Raises `TrainingFailed` when no step updated the policy (`raygraph.run.health`).
     """
+    recoveries = Recoveries(cfg.trainer.max_restarts)
     with StopFlag(cfg.trainer.stop_timeout_s) as stop:
-        try:
-            return _run(cfg, address, stop)
-        except KeyboardInterrupt:
-            if stop.requested:  # the stop timed out, or a second signal came
-                raise RunStopped(stop.signum) from None
-            raise
+        while True:
+            try:
+                return _run(cfg, address, stop, recoveries)
+            except KeyboardInterrupt:
+                if stop.requested:  # the stop timed out, or a second signal came
+                    raise RunStopped(stop.signum) from None
+                raise
+            except _AttemptFailed as failed:
+                if stop.requested or not recoveries.should_retry(failed.error, failed.dead_actors, failed.step):
+                    raise failed.error from None
+                # the same run directory, from its newest complete checkpoint
+                cfg = cfg.model_copy(update={"run_name": failed.run_name, "trainer": cfg.trainer.model_copy(
+                    update={"resume": "auto"})})
 
 
-def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
+class _AttemptFailed(Exception):
+    """One attempt of the run failed at `step`; `dead_actors` were found dead right after."""
+
+    def __init__(self, error: Exception, step: int, dead_actors: list[str], run_name: str):
+        super().__init__(str(error))
+        self.error, self.step, self.dead_actors, self.run_name = error, step, dead_actors, run_name
+
+
+def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> RunSummary:
     started = time.perf_counter()
     import_plugins(cfg.plugins)   # the driver too (the actors import them when they start)
     workflow = load_workflow(cfg.workflow)
@@ -77,6 +96,7 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
     start_ray(cfg, address)
     stop.install()  # ray.init replaced the SIGTERM handler
     print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
+    recoveries.run_dir, ledger = ctx.run_dir, SampleLedger(ctx.run_dir)
     roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=cfg.placement.mode,
                         colocate=colocation(cfg, specs), placement_timeout_s=cfg.placement.placement_timeout_s,
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
@@ -86,9 +106,11 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
     status, steps_done, stopped = "FAILED", 0, False
     kl_cfg = cfg.algorithm.kl_in_reward
     kl_ctl = make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon)
-    consistent, version = None, 0  # the last step whose update, sync and KL update all finished
+    consistent, version, step = None, 0, 0  # consistent: the last step whose update, sync and KL update all finished
     try:
         start_step, version = resume.restore(ctx.resume, roles, data, kl_ctl, cfg.trainer.seed)
+        ledger.resumed_from(start_step, "recovery" if recoveries.count else "start")
+        recoveries.resumed(start_step)
         if start_step == 0 and cfg.trainer.warm_start is not None:
             run_warm_start(cfg, roles)
         tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
@@ -100,12 +122,14 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
         # profile: interpreted and unfused, so that every stage is a Ray task in the timeline (a
         # compiled graph runs as one long task per actor, a fused plan as one task per step)
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
-        executor = Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile)
+        executor = Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile,
+                            timeout_s=cfg.trainer.step_timeout_s)
         lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
         dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
 
         def validate(at_step: int) -> dict[str, float]:
-            return run_validation(val_graph, roles, data.val_prompts, step=at_step, dumps=dumps, tracker=tracker)
+            return run_validation(val_graph, roles, data.val_prompts, step=at_step, dumps=dumps, tracker=tracker,
+                                  timeout_s=cfg.trainer.step_timeout_s)
 
         val_start = validate(0).get("val/accuracy") if start_step == 0 else None
         roles.take_step_stats()  # start the per-stage clocks at the first step
@@ -120,6 +144,8 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
             prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
             prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
             metrics = merge_outputs(executor.run(prompts))
+            ledger.trained(step, prompts[UID])
+            metrics.update(recoveries.take_metrics())
             records = metrics.pop(whole_batch.RECORDS, None)
             if records is not None:
                 tracker.log_samples(dumps.write(step, records, "train"), records)
@@ -145,10 +171,13 @@ def _run(cfg, address: str | None, stop: StopFlag) -> RunSummary:
         if not stopped:
             health.check()
         status = "KILLED" if stopped else "FINISHED"
-    except Exception:
-        unlogged = metrics if consistent is not None and consistent > steps_done else None
-        resume.save_after_failure(ctx, roles, data, kl_ctl, version, step=consistent, tracker=tracker, metrics=unlogged)
-        raise
+    except Exception as exc:
+        dead = roles.dead_actors()  # a dead rank's state is gone: no checkpoint can be consistent
+        if not dead:
+            unlogged = metrics if consistent is not None and consistent > steps_done else None
+            resume.save_after_failure(ctx, roles, data, kl_ctl, version, step=consistent, tracker=tracker,
+                                      metrics=unlogged)
+        raise _AttemptFailed(exc, step, dead, ctx.run_name) from exc
     finally:
         if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
             ray.timeline(filename=str(ctx.run_dir / "timeline.json"))

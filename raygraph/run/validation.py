@@ -15,7 +15,7 @@ __all__ = ["run_validation"]
 
 
 def run_validation(graph: DAGNode, roles, prompts: Batch | None, *, step: int, dumps: SampleDumps,
-                   tracker=None) -> dict[str, float]:
+                   tracker=None, timeout_s: float | None = None) -> dict[str, float]:
     """Run `graph` (`raygraph.graph.fragments.validation_graph`) once over `prompts`.
 
     The generations go to `<run>/samples/val_step_<step>.jsonl` (and MLflow through `tracker`),
@@ -24,7 +24,7 @@ def run_validation(graph: DAGNode, roles, prompts: Batch | None, *, step: int, d
     if prompts is None:
         return {}
     prompts = Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta, whole_batch.DUMP_ROWS: dumps.val_rows})
-    executor = Executor(graph, roles, mode="interpreted")
+    executor = Executor(graph, roles, mode="interpreted", timeout_s=timeout_s)  # the step watchdog
     try:
         t0 = time.perf_counter()
         metrics = merge_outputs(executor.run(prompts))

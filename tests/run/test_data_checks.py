@@ -112,11 +112,11 @@ def test_a_file_that_is_not_parquet_is_named(tmp_path, tiny_model_path, capsys, 
 
 def test_a_bundle_larger_than_the_local_machine_is_refused_up_front():
     # before: cpus_per_worker=64 on 2 cores ran OMP_NUM_THREADS=64 per actor, 10x slower, no error
-    from raygraph.cluster.pools import PoolSpec
-    from raygraph.run.setup import check_local_cpus
+    from raygraph.config import load_config
+    from raygraph.run.setup import _bundle_cpus, check_local_cpus
 
-    check_local_cpus([("main", PoolSpec(1, 2.0, 0.0, "PACK"))], machine_cpus=2)
+    check_local_cpus(_bundle_cpus(load_config(TOY, ["placement.cpus_per_worker=2"])), machine_cpus=2)
     with pytest.raises(ValueError, match=r"placement.cpus_per_worker=64 is more than this machine's 2 CPUs"):
-        check_local_cpus([("main", PoolSpec(1, 64.0, 0.0, "PACK"))], machine_cpus=2)
+        check_local_cpus(_bundle_cpus(load_config(TOY, ["placement.cpus_per_worker=64"])), machine_cpus=2)
     with pytest.raises(ValueError, match=r"placement.pools.gen.cpus_per_bundle=3 is more than this machine's 2"):
-        check_local_cpus([("gen", PoolSpec(2, 3.0, 0.0, "PACK"))], machine_cpus=2)
+        check_local_cpus([("placement.pools.gen.cpus_per_bundle", 3.0)], machine_cpus=2)
