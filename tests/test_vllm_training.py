@@ -20,8 +20,10 @@ VLLM = {"rollout.engine": "vllm", "logging.mlflow": "false", "checkpoint.save_hf
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-assets")
-    return {"model": root / "tiny-lm", "data": root / "toy"}
+    from raygraph.models.tiny import build_tiny_lm
+
+    root = tmp_path_factory.mktemp("vllm-assets")   # built here: build_tiny builds only under output_dir/models
+    return {"model": build_tiny_lm(root / "tiny-lm"), "data": root / "toy"}
 
 
 def _cfg(assets, out: Path, **extra):
