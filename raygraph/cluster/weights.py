@@ -6,7 +6,7 @@ Two transports behind one small interface (`WeightTransport`):
   worker in the same process; no copy over the network.
 * `CollectiveTransport` (disaggregated): a bucketed broadcast from the policy's rank 0 to every
   rollout rank over a `ray.util.collective` group. Per bucket: a fixed-size header (meta length,
-  payload length, then the pickled meta: names, shapes, dtypes, offsets, checksum, version; a
+  payload length, then the meta as JSON (never unpickled): names, shapes, dtypes, offsets, checksum, version; a
   meta too long for it continues in a second broadcast) and one flat payload. An end marker
   (a header of zeros) closes a transfer. Each side reuses two payload
   buffers for every bucket of every sync (a fresh 64 MiB buffer costs more in page faults than
@@ -24,7 +24,7 @@ be views into a reused buffer: `load` must copy a bucket before it asks for the 
 
 from __future__ import annotations
 
-import pickle
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -315,7 +315,7 @@ class CollectiveTransport:
             raw += rest.cpu().numpy().tobytes()
         payload = self._buffer(slot, payload_len)
         self._bcast(payload)
-        return pickle.loads(raw), payload
+        return decode_meta(raw), payload
 
     def _buckets(self) -> Iterator[tuple[dict, torch.Tensor]]:
         """(meta, payload) per bucket, receiving one bucket ahead into the other buffer.
@@ -374,8 +374,8 @@ class CollectiveTransport:
 
 
 def _header(meta: dict, payload: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    """The header broadcast(s) of one bucket: lengths + pickled meta in `_HEADER` bytes (+ the rest)."""
-    raw = pickle.dumps(meta)
+    """The header broadcast(s) of one bucket: lengths + JSON meta in `_HEADER` bytes (+ the rest)."""
+    raw = encode_meta(meta)
     header = torch.zeros(_HEADER, dtype=torch.uint8)
     header[:16].view(torch.int64)[:] = torch.tensor([len(raw), payload.numel()])
     head = raw[:_HEADER - 16]
@@ -384,6 +384,22 @@ def _header(meta: dict, payload: torch.Tensor, device: torch.device) -> list[tor
     if len(raw) > len(head):
         parts.append(torch.frombuffer(bytearray(raw[len(head):]), dtype=torch.uint8).to(device))
     return parts
+
+
+def encode_meta(meta: dict) -> bytes:
+    """A bucket's meta as JSON bytes: dtypes by name, shapes as lists (a receiver never unpickles
+    what a peer sent, so a process that joins the group cannot run code in the rollout)."""
+    return json.dumps({**meta, "dtypes": [str(d).removeprefix("torch.") for d in meta["dtypes"]],
+                       "shapes": [list(s) for s in meta["shapes"]]}).encode()
+
+
+def decode_meta(raw: bytes) -> dict:
+    """Inverse of `encode_meta`; a dtype that is not a torch dtype is refused."""
+    meta = json.loads(raw)
+    dtypes = [getattr(torch, name, None) for name in meta["dtypes"]]
+    if not all(isinstance(d, torch.dtype) for d in dtypes):
+        raise WeightSyncError(f"weight-sync bucket names unknown dtypes {meta['dtypes']}")
+    return {**meta, "dtypes": dtypes, "shapes": [tuple(s) for s in meta["shapes"]]}
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
