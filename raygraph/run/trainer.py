@@ -135,8 +135,11 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
         roles.take_step_stats()  # start the per-stage clocks at the first step
         val_end = val_start
         health = UpdateHealth()
+        saved = start_step
         for step in range(start_step + 1, cfg.trainer.total_steps + 1):
-            if stop.requested:  # during set-up, warm start or validation: nothing new to save
+            if stop.requested:  # the signal came after the last step's check, or before any step
+                if steps_done > saved:
+                    resume.save(ctx, roles, steps_done, data, kl_ctl, version)
                 stopped = True
                 break
             t0 = time.perf_counter()
@@ -165,6 +168,7 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
             steps_done = step
             if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
                 resume.save(ctx, roles, step, data, kl_ctl, version)
+                saved = step
             if stopping:
                 stopped = True
                 break
