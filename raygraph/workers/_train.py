@@ -18,7 +18,7 @@ import json
 import math
 import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,19 +222,30 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype 
     (safe to keep while training goes on), else handed out as detached views of the live
     weights (no copy: consume each bucket before the next optimizer step).
     """
+    def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in _named_tensors(model):
+            live = tensor.detach()
+            full = full_tensor(live)
+            if dtype is not None and full.is_floating_point() and full.dtype != dtype:
+                full = full.to(dtype)
+            elif copy and full is live:
+                full = full.clone()
+            yield name, full
+
+    yield from group_in_buckets(full_tensors(), bucket_bytes)
+
+
+def group_in_buckets(named: Iterable[tuple[str, torch.Tensor]],
+                     bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive `(name, tensor)` pairs grouped into lists of about `bucket_bytes` (a tensor
+    larger than that gets a bucket of its own); tensors are drawn lazily, one bucket at a time."""
     bucket, size = [], 0
-    for name, tensor in _named_tensors(model):
-        live = tensor.detach()
-        full = full_tensor(live)
-        if dtype is not None and full.is_floating_point() and full.dtype != dtype:
-            full = full.to(dtype)
-        elif copy and full is live:
-            full = full.clone()
-        nbytes = full.numel() * full.element_size()
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, full))
+        bucket.append((name, tensor))
         size += nbytes
     if bucket:
         yield bucket

@@ -33,6 +33,7 @@ from raygraph.models.lora import (
     merged_tensors,
     save_adapter,
 )
+from raygraph.workers._train import group_in_buckets
 from raygraph.workers.distributed import full_tensor, is_distributed, rank
 
 __all__ = ["LORA_SYNCS", "PolicyAdapter", "adapter_dir"]
@@ -135,15 +136,6 @@ def _shapes_only(t: torch.Tensor) -> torch.Tensor:
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
              dtype: torch.dtype | None) -> Iterator[Bucket]:
-    bucket, size = [], 0
-    for name, tensor in named:
-        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    cast = ((n, t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t)
+            for n, t in named)
+    return group_in_buckets(cast, bucket_bytes)
