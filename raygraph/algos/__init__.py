@@ -6,9 +6,9 @@
 
 Modules: `advantages` (estimators), `losses` (policy/value losses, aggregation, DPO),
 `kl` (per-token KL estimators), `kl_control` (KL coefficient controllers), `entropy`,
-`masked` (masked reductions), `dpo`. See docs/algorithms.md for formulas and papers.
+`masked` (masked reductions), `dpo`, `distill` (on-policy distillation). See docs/algorithms.md for formulas and papers.
 """
 
-from raygraph.algos import advantages, dpo, entropy, kl, kl_control, losses, masked
+from raygraph.algos import advantages, distill, dpo, entropy, kl, kl_control, losses, masked
 
-__all__ = ["advantages", "dpo", "entropy", "kl", "kl_control", "losses", "masked"]
+__all__ = ["advantages", "distill", "dpo", "entropy", "kl", "kl_control", "losses", "masked"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from raygraph import rewards
 from raygraph.algos import advantages, dpo, kl, losses
 from raygraph.algos.user_code import is_code_ref
+from raygraph.config.frozen_models import frozen_model_problems
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs
 from raygraph.config.workflow_ref import Workflow
 from raygraph.models import lora as lora_models
@@ -23,17 +24,23 @@ __all__ = ["config_problems", "lora_problems", "registry_problems", "semantic_pr
 def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> list[str]:
     """Every cross-field and registry problem of a structurally valid config, and (given the
     loaded `workflow`) every mismatch with what the workflow declares."""
-    problems = semantic_problems(cfg) + registry_problems(cfg) + lora_problems(cfg)
+    problems = semantic_problems(cfg) + registry_problems(cfg) + lora_problems(cfg) + frozen_model_problems(cfg)
     return problems + (workflow_problems(cfg, workflow) if workflow is not None else [])
 
 
 def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
     """The config against the workflow's declarations (ROLES, ADVANTAGES, MAX_STALENESS)."""
     problems, advantage = [], cfg.algorithm.advantage
-    unknown = [r for r in workflow.roles if r not in ROLES]
+    unknown = [r for r in workflow.roles if r not in ROLES and r not in cfg.extra_roles]
     if unknown:
-        problems.append(f"workflow {workflow.ref!r} declares the unknown role(s) {', '.join(map(repr, unknown))} "
-                        f"in ROLES{_did_you_mean(unknown[0], ROLES)}; the roles raygraph runs are {', '.join(ROLES)}")
+        problems.append(f"workflow {workflow.ref!r} declares the role(s) {', '.join(map(repr, unknown))} in ROLES"
+                        f"{_did_you_mean(unknown[0], ROLES)}, which raygraph does not run by itself (its roles: "
+                        f"{', '.join(ROLES)}); a role of the workflow's own is a frozen model: give it one with "
+                        f"extra_roles.{unknown[0]}.model_path=...")
+    for role in cfg.extra_roles:
+        if role not in workflow.roles:
+            problems.append(f"extra_roles.{role}: workflow {workflow.ref!r} binds no role {role!r}"
+                            f"{_did_you_mean(role, workflow.roles)}; its ROLES are {', '.join(workflow.roles)}")
     user_estimator = advantage is not None and not advantages.is_builtin(advantage)
     if workflow.advantages == () and advantage is not None:
         problems.append(f"algorithm.advantage={advantage!r}: workflow {workflow.ref!r} computes no advantages, "
@@ -113,6 +120,13 @@ def _reference(cfg: RaygraphConfig) -> list[str]:
     if cfg.reference.enabled is False and cfg.uses_kl:
         problems.append("a KL term is on (actor.kl_loss_coef or algorithm.kl_in_reward.coef > 0) but "
                         "reference.enabled is false; the KL needs the reference model")
+    if cfg.reference.model_path is not None and not cfg.uses_reference:
+        problems.append("reference.model_path is set but no reference runs (no KL term and reference.enabled is "
+                        "not true): remove it, or turn on a KL term")
+    for role in cfg.extra_roles:
+        if role in ROLES or "/" in role or "+" in role:
+            problems.append(f"extra_roles.{role}: {'a built-in role' if role in ROLES else 'a role name may not hold / or +'}"
+                            "; name the workflow's own role differently (e.g. teacher)")
     kl = cfg.algorithm.kl_in_reward
     if kl.controller == "adaptive" and kl.coef == 0:
         problems.append("algorithm.kl_in_reward.controller='adaptive' scales kl_in_reward.coef, which is 0, "
@@ -175,7 +189,7 @@ def _active_roles(cfg: RaygraphConfig) -> dict[str, int]:
         roles["reference"] = place.train_workers
     if cfg.uses_critic:
         roles["critic"] = place.train_workers
-    return roles
+    return roles | {role: extra.workers or place.train_workers for role, extra in cfg.extra_roles.items()}
 
 
 def _pools(cfg: RaygraphConfig) -> list[str]:
@@ -185,9 +199,9 @@ def _pools(cfg: RaygraphConfig) -> list[str]:
             if place.roles else []
     problems = []
     for role, pool in place.roles.items():
-        if role not in ROLES:
+        if role not in ROLES and role not in cfg.extra_roles:
             problems.append(f"placement.roles.{role}: unknown role{_did_you_mean(role, ROLES)}; "
-                            f"roles are {', '.join(ROLES)}")
+                            f"roles are {', '.join((*ROLES, *cfg.extra_roles))}")
         elif pool not in place.pools:
             problems.append(f"placement.roles.{role}={pool!r} names no pool{_did_you_mean(pool, place.pools)}; "
                             f"pools are {', '.join(place.pools)}")

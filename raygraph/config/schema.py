@@ -23,6 +23,7 @@ from raygraph.config.training_schema import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
+    ExtraRoleConfig,
     KLInRewardConfig,
     LoraConfig,
     OptimConfig,
@@ -34,7 +35,7 @@ from raygraph.config.training_schema import (
 
 __all__ = [
     "RaygraphConfig", "ModelConfig", "LoraConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
-    "ActorConfig", "CriticConfig", "ReferenceConfig", "RewardConfig", "RemoteRewardConfig",
+    "ActorConfig", "CriticConfig", "ReferenceConfig", "ExtraRoleConfig", "RewardConfig", "RemoteRewardConfig",
     "AlgorithmConfig", "RolloutCorrectionConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
     "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
     "ROLES", "estimator_needs",
@@ -308,6 +309,9 @@ class RaygraphConfig(Section):
                                                                           "critic-based estimators).")
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="Reference model.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward computation.")
+    extra_roles: dict[str, ExtraRoleConfig] = Field(
+        default_factory=dict, description="Roles a workflow binds beyond the built-in ones (its ROLES), "
+        "each a frozen model of its own, e.g. a distillation teacher (docs/custom-algorithm.md).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages and KL.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Resources and pools.")
     trainer: TrainerConfig = Field(description="The training loop.")
@@ -375,7 +379,7 @@ class RaygraphConfig(Section):
     def reference_from_policy(self) -> bool:
         """With model.lora the reference log-probs come from the policy's own model with its adapter
         disabled (the frozen base IS the reference): no reference role is started."""
-        return self.model.lora is not None
+        return self.model.lora is not None and self.reference.model_path in (None, self.model.path)
 
     @property
     def uses_reference(self) -> bool:

@@ -13,7 +13,7 @@ from raygraph.algos.user_code import absolute_ref
 from raygraph.config.section import Section
 
 __all__ = ["OptimConfig", "ActorConfig", "CriticConfig", "ReferenceConfig", "RemoteRewardConfig", "RewardConfig",
-           "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig", "LoraConfig"]
+           "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig", "LoraConfig", "ExtraRoleConfig"]
 
 
 class LoraConfig(Section):
@@ -100,6 +100,25 @@ class CriticConfig(Section):
 class ReferenceConfig(Section):
     enabled: bool | None = Field(None, description="Run a frozen reference model; null = only when a KL "
                                                    "term is used.")
+    model_path: str | None = Field(None, description="The reference model; null = model.path (the policy's "
+                                                     "start). It must use the policy's tokenizer.")
+    shard: bool = Field(False, description="FSDP-shard the reference over its ranks instead of a full copy "
+                                           "on each (for a reference larger than one device).")
+
+
+class ExtraRoleConfig(Section):
+    """A role a workflow binds beyond the built-in ones (e.g. a distillation `teacher`): a frozen
+    causal LM with its own model, whose `logprobs` method returns the column `<role>_logprobs`."""
+
+    model_path: str = Field(description="The role's model (local directory or hub id); it must use the "
+                                        "policy's tokenizer, since its log-probs are per policy token.")
+    dtype: str | None = Field(None, description="Weights dtype; null = model.dtype.")
+    workers: int | None = Field(None, ge=1, description="Ranks of the role (each scores a shard of the batch); "
+                                                        "null = placement.train_workers.")
+    shard: bool = Field(False, description="FSDP-shard the model over the role's ranks instead of a full "
+                                           "copy on each (a model larger than one device).")
+    micro_batch_size: int | None = Field(None, ge=1, description="Rows per forward pass; null = "
+                                                                 "actor.micro_batch_size.")
 
 
 class RemoteRewardConfig(Section):

@@ -32,13 +32,15 @@ def worker_classes(cfg: RaygraphConfig, role_names: tuple[str, ...]) -> dict[str
         ValueError: the workflow names a role raygraph does not have.
     """
     table = {"policy": PolicyWorker, "critic": CriticWorker, "reference": ReferenceWorker,
-             "rollout": _ROLLOUT_WORKERS[cfg.rollout_engine], "reward": _REWARD_WORKERS[cfg.reward.kind]}
+             "rollout": _ROLLOUT_WORKERS[cfg.rollout_engine], "reward": _REWARD_WORKERS[cfg.reward.kind],
+             **{role: ReferenceWorker for role in cfg.extra_roles}}   # a workflow's own frozen models
     wanted = set(role_names) | ({"reference"} if cfg.uses_reference else set())
     if cfg.reference_from_policy:
         wanted.discard("reference")   # policy.ref_logprobs: the policy with its adapter disabled
     unknown = wanted - set(table)
     if unknown:
-        raise ValueError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(table)}")
+        raise ValueError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(table)} (a role "
+                         f"of the workflow's own is a frozen model given in extra_roles.<role>.model_path)")
     return {name: cls for name, cls in table.items() if name in wanted}
 
 

@@ -75,10 +75,23 @@ def _critic_args(cfg) -> dict:
     return args
 
 
-def _reference_args(cfg) -> dict:
-    return {**_model_args(cfg), "micro_batch_size": cfg.actor.micro_batch_size,
-            "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch,
+def _frozen_args(cfg, model_path: str, dtype: str, micro_batch_size: int, shard: bool) -> dict:
+    return {"model_path": model_path, "dtype": dtype, "attn_impl": cfg.model.attn_impl, "shard": shard,
+            "micro_batch_size": micro_batch_size, "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch,
             "temperature": cfg.rollout.temperature}
+
+
+def _reference_args(cfg) -> dict:
+    ref = cfg.reference
+    return _frozen_args(cfg, ref.model_path or cfg.model.path, cfg.model.dtype, cfg.actor.micro_batch_size, ref.shard)
+
+
+def _extra_role_args(cfg, role: str) -> dict:
+    """A workflow's own frozen role (`extra_roles.<role>`): its model, output column `<role>_logprobs`."""
+    extra = cfg.extra_roles[role]
+    return {**_frozen_args(cfg, extra.model_path, extra.dtype or cfg.model.dtype,
+                           extra.micro_batch_size or cfg.actor.micro_batch_size, extra.shard),
+            "column": f"{role}_logprobs"}
 
 
 def _rollout_args(cfg) -> dict:
@@ -122,6 +135,8 @@ def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:
         "rollout": (_rollout_args, rollout_world, rollout_pool, False),
         "reward": (_reward_args, rollout_world, rollout_pool, False),
     }
+    for role, extra in cfg.extra_roles.items():   # a workflow's own frozen models, placed like the reference
+        layout[role] = (lambda c, r=role: _extra_role_args(c, r), extra.workers or train_world, train_pool, True)
     mapping = cfg.placement.roles if cfg.placement.pools else {}
     specs = {}
     for name, cls in worker_classes(cfg, role_names).items():
@@ -144,8 +159,18 @@ def pools_for(cfg) -> dict[str, PoolSpec]:
 
 def colocation(cfg, specs: dict[str, RoleSpec]) -> list[tuple[str, ...]]:
     """Which roles share one actor process per rank."""
+    extra = tuple(cfg.extra_roles)   # fused with the policy's ranks when placed like them
     if cfg.placement.mode == "colocated":
-        groups = [("policy", "rollout", "reference", "critic", "reward")]
+        groups = [("policy", "rollout", "reference", "critic", "reward", *extra)]
     else:
-        groups = [("policy", "reference", "critic"), ("rollout", "reward")]
-    return [g for g in (tuple(r for r in group if r in specs) for group in groups) if len(g) > 1]
+        groups = [("policy", "reference", "critic", *extra), ("rollout", "reward")]
+    units = []
+    for group in groups:
+        members = [r for r in group if r in specs]
+        if members:
+            first = specs[members[0]]
+            members = [r for r in members if r not in extra
+                       or (specs[r].pool, specs[r].world_size) == (first.pool, first.world_size)]
+        if len(members) > 1:
+            units.append(tuple(members))
+    return units
