@@ -8,18 +8,23 @@ registers its own pieces by name, then a config refers to that name:
     @raygraph.register_policy_loss("my_loss")      # actor.policy_loss: my_loss
     def my_loss(*, logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip, agg): ...
 
-`register_advantage` (algorithm.advantage) and `register_reward` (reward.function) work alike;
+`register_advantage` (algorithm.advantage), `register_reward` (reward.function),
+`register_kl_estimator` (actor.kl_loss_kind, algorithm.kl_in_reward.kind) and `register_dpo_loss`
+(algorithm.dpo_loss) work alike;
 see docs/custom-algorithm.md.
 """
 
 __version__ = "0.1.0"
-__all__ = ["register_policy_loss", "register_advantage", "register_reward"]
+__all__ = ["register_policy_loss", "register_advantage", "register_reward", "register_kl_estimator",
+           "register_dpo_loss"]
 
 # name -> (module, attribute); imported on first use, so `import raygraph.config` stays as light as before
 _PUBLIC = {
     "register_policy_loss": ("raygraph.algos.losses", "register_policy_loss"),
     "register_advantage": ("raygraph.algos.advantages", "register_advantage"),
     "register_reward": ("raygraph.rewards", "register_reward"),
+    "register_kl_estimator": ("raygraph.algos.kl", "register_kl_estimator"),
+    "register_dpo_loss": ("raygraph.algos.dpo", "register_dpo_loss"),
 }
 
 

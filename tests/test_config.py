@@ -412,7 +412,7 @@ def test_workflow_reference_is_checked(tmp_path):
     (tmp_path / "algo.py").write_text("def build(roles, cfg):\n    return None\n")
     assert problems(MINIMAL, (f"workflow={tmp_path / 'algo.py'}:build",)) == []
     [message] = problems(MINIMAL, ("workflow=grpoo",))
-    assert message.startswith("workflow: unknown workflow 'grpoo'; valid names: dpo, grpo, ppo, ")
+    assert message.startswith("workflow: unknown workflow 'grpoo'; valid names: distill, dpo, grpo, ppo, ")
 
 
 def test_a_workflow_written_against_the_old_imports_gets_the_new_ones(tmp_path):

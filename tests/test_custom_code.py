@@ -277,7 +277,7 @@ def test_workflow_args_from_an_args_model_or_required_keywords(tmp_path):
 @pytest.mark.parametrize(("workflow_file", "overrides", "message"), [
     ("def build(roles, cfg):\n    pass\n", ["workflow={path}:nosuch"], "has no callable 'nosuch'"),
     ("ROLES = ('policy', 'rollout', 'reward', 'teacher')\ndef build(roles, cfg):\n    pass\n", ["workflow={path}"],
-     "declares the unknown role(s) 'teacher' in ROLES; the roles raygraph runs are policy, rollout"),
+     "declares the role(s) 'teacher' in ROLES, which raygraph does not run by itself (its roles: policy, rollout"),
     ("def build(roles, cfg, *, beta: float = 1.0):\n    pass\n", ["workflow={path}", "workflow_args.bta=2"],
      "workflow_args.bta is not an argument"),
 ])

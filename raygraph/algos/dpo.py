@@ -12,15 +12,33 @@ import torch.nn.functional as F
 
 from raygraph.algos._registry import Registry
 
-__all__ = ["dpo_loss", "names"]
+__all__ = ["dpo_loss", "names", "check", "register_dpo_loss", "DPO_KEYWORDS"]
 
 Tensor = torch.Tensor
-_KINDS = Registry("DPO loss kind")
+DPO_KEYWORDS = ("margin", "beta")   # every kind's arguments: (B,) log-ratio margins, and beta
+_KINDS = Registry("DPO loss kind", keywords=DPO_KEYWORDS)
 
 
 def names() -> tuple[str, ...]:
     """DPO loss kinds accepted by `dpo_loss(kind=...)`, sorted."""
     return _KINDS.names()
+
+
+def check(kind: str) -> None:
+    """Raise `ValueError` unless `kind` is a registered name or a `file.py:fn` reference to a
+    function taking `DPO_KEYWORDS` (imported to check it)."""
+    _KINDS.get(kind)
+
+
+def register_dpo_loss(name: str, fn=None):
+    """Register a user DPO loss kind as `name` (from a plugin, docs/custom-algorithm.md):
+    `fn(margin=(B,), beta=float) -> (B,)` per-pair losses, averaged by `dpo_loss`. Use as a call
+    or as a decorator.
+
+    Raises:
+        ValueError: the name is taken or `fn` does not take the keywords.
+    """
+    return _KINDS.register(name) if fn is None else _KINDS.register(name)(fn)
 
 
 @_KINDS.register("sigmoid")
@@ -70,7 +88,7 @@ def dpo_loss(
         raise ValueError(f"the four log-prob tensors must share one (B,) shape, got {sorted(shapes)}")
     chosen_logratio = chosen_logps.float() - ref_chosen_logps.detach().float()  # (B,)
     rejected_logratio = rejected_logps.float() - ref_rejected_logps.detach().float()
-    loss = per_pair(chosen_logratio - rejected_logratio, float(beta)).mean()
+    loss = per_pair(margin=chosen_logratio - rejected_logratio, beta=float(beta)).mean()
     chosen_rewards = beta * chosen_logratio.detach()
     rejected_rewards = beta * rejected_logratio.detach()
     stats = {

@@ -19,11 +19,13 @@ from __future__ import annotations
 import torch
 
 from raygraph.algos._registry import Registry
+from raygraph.algos.user_code import is_code_ref
 
-__all__ = ["estimate", "names"]
+__all__ = ["estimate", "names", "check", "register_kl_estimator", "KL_KEYWORDS"]
 
 Tensor = torch.Tensor
-_ESTIMATORS = Registry("KL estimator")
+KL_KEYWORDS = ("logprobs", "ref_logprobs")   # every estimator's arguments: (B, T) float32 tensors
+_ESTIMATORS = Registry("KL estimator", keywords=KL_KEYWORDS)
 STRAIGHT_THROUGH = "+"
 _K3_EXP_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0
@@ -57,6 +59,29 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(base + tuple(name + STRAIGHT_THROUGH for name in base)))
 
 
+def register_kl_estimator(name: str, fn=None):
+    """Register a user per-token KL estimator as `name` (from a plugin, docs/custom-algorithm.md):
+    `fn(logprobs=(B, T), ref_logprobs=(B, T)) -> (B, T)`; `name+` is then its straight-through form.
+    Use as a call or as a decorator.
+
+    Raises:
+        ValueError: the name is taken or `fn` does not take the keywords.
+    """
+    return _ESTIMATORS.register(name) if fn is None else _ESTIMATORS.register(name)(fn)
+
+
+def check(kind: str) -> None:
+    """Raise `ValueError` unless `kind` is a registered name (maybe with `+`) or a `file.py:fn`
+    reference to an estimator that takes `KL_KEYWORDS` (imported to check it)."""
+    base = kind.removesuffix(STRAIGHT_THROUGH) if isinstance(kind, str) else None
+    if base in _ESTIMATORS:
+        return
+    if base is None or not is_code_ref(base):
+        raise ValueError(f"unknown KL estimator {kind!r}; valid names: {', '.join(names())} "
+                         "(or a reference to your own: file.py:function)")
+    _ESTIMATORS.get(base)   # imported and its keywords checked
+
+
 def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     """Per-token KL estimate.
 
@@ -71,13 +96,12 @@ def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     Raises:
         ValueError: unknown `kind` (the message lists the valid kinds) or mismatched shapes.
     """
-    if not isinstance(kind, str) or kind not in names():
-        raise ValueError(f"unknown KL estimator {kind!r}; valid names: {', '.join(names())}")
+    check(kind)
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
     logprobs, ref_logprobs = logprobs.float(), ref_logprobs.detach().float()
     straight_through = kind.endswith(STRAIGHT_THROUGH)
-    value = _ESTIMATORS.get(kind.removesuffix(STRAIGHT_THROUGH))(logprobs, ref_logprobs)
+    value = _ESTIMATORS.get(kind.removesuffix(STRAIGHT_THROUGH))(logprobs=logprobs, ref_logprobs=ref_logprobs)
     if not straight_through:
         return value
     k2 = _k2(logprobs, ref_logprobs)

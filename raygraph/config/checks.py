@@ -337,7 +337,9 @@ def registry_problems(cfg: RaygraphConfig) -> list[str]:
         checks.append(("reward.function", cfg.reward.function, rewards.names(), "reward function"))
     problems = []
     lookups = {"actor.policy_loss": losses.policy_loss_fn, "algorithm.advantage": advantages.requires,
-               "reward.function": rewards.get}   # the keys that accept a file.py:fn reference
+               "reward.function": rewards.get, "actor.kl_loss_kind": kl.check,
+               "algorithm.kl_in_reward.kind": kl.check,
+               "algorithm.dpo_loss": dpo.check}   # the keys that accept a file.py:fn reference
     for key, name, names, family in checks:
         if key in lookups and is_code_ref(name):
             try:

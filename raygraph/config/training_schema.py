@@ -61,7 +61,8 @@ class ActorConfig(Section):
     kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL(policy || reference) loss term; "
                                                        "0 = off.")
     kl_loss_kind: str = Field("k3", description="KL estimator of the loss term by registry name "
-                                                "(raygraph.algos.kl).")
+                                                "(raygraph.algos.kl, or one a plugin registers) or as "
+                                                "my_code.py:my_kl; a trailing + = straight-through.")
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto", description="Where the PPO ratio's old log-probs come from. recompute: a policy.logprobs "
                             "pass before the update. rollout: the rollout engine's own log-probs (no extra "
@@ -71,7 +72,7 @@ class ActorConfig(Section):
                             "synchronous, no KL in the reward, no rollout correction; then old = the "
                             "policy's own detached log-probs, exactly), else recompute.")
 
-    _user_code = field_validator("policy_loss")(lambda value: _code_path(value))
+    _user_code = field_validator("policy_loss", "kl_loss_kind")(lambda value: _code_path(value))
 
     @field_validator("dual_clip")
     @classmethod
@@ -147,7 +148,10 @@ class RewardConfig(Section):
 
 class KLInRewardConfig(Section):
     coef: float = Field(0.0, ge=0, description="Initial weight of the KL penalty subtracted from rewards; 0 = off.")
-    kind: str = Field("k1", description="KL estimator by registry name (raygraph.algos.kl).")
+    kind: str = Field("k1", description="KL estimator by registry name (raygraph.algos.kl, or one a plugin "
+                                        "registers) or as my_code.py:my_kl; a trailing + = straight-through.")
+
+    _user_code = field_validator("kind")(lambda value: _code_path(value))
     controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep coef fixed or adapt it "
                                                                           "towards target_kl (Ziegler et al. 2019).")
     target_kl: float = Field(0.1, gt=0, description="adaptive: KL per sequence the controller aims for.")
@@ -177,11 +181,12 @@ class AlgorithmConfig(Section):
     kl_in_reward: KLInRewardConfig = Field(default_factory=KLInRewardConfig,
                                            description="KL penalty folded into the reward.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature beta.")
-    dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name.")
+    dpo_loss: str = Field("sigmoid", description="DPO loss variant by registry name (raygraph.algos.dpo, or "
+                                                 "one a plugin registers) or as my_code.py:my_dpo_loss.")
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig,
                                                         description="Rollout-vs-trainer mismatch correction.")
 
-    _user_code = field_validator("advantage")(lambda value: _code_path(value))
+    _user_code = field_validator("advantage", "dpo_loss")(lambda value: _code_path(value))
     is_cap: float = Field(2.0, ge=1.0, description="Asynchronous pipelining (placement.max_staleness > 0): "
                                                    "each token of a stale rollout has its advantage weighted "
                                                    "by min(pi_old / pi_rollout, is_cap) (truncated IS).")

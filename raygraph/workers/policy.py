@@ -80,8 +80,7 @@ class PolicyWorker:
         if loss_agg not in losses.AGG_MODES:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(losses.AGG_MODES)}")
         losses.policy_loss_fn(policy_loss)   # a registered name or file.py:fn; ValueError listing valid names
-        if kl_loss_kind not in kl.names():
-            raise ValueError(f"unknown kl_loss_kind {kl_loss_kind!r}; valid: {', '.join(kl.names())}")
+        kl.check(kl_loss_kind)   # a registered name or a file.py:fn reference
         torch.manual_seed(seed)
         self.tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path, dtype="float32", attn_impl=attn_impl,
