@@ -156,3 +156,43 @@ def test_on_policy_distillation_lowers_the_reverse_kl_to_the_teacher(tmp_path, m
     assert last < 0.75 * first, kl
     assert yaml.safe_load((summary.run_dir / "config.yaml").read_text())["extra_roles"]["teacher"]["model_path"] \
         == teacher_path
+
+
+def test_the_doc_teacher_term_by_hand(tmp_path):
+    """docs/custom-algorithm.md's `add_teacher_term`: advantages + beta (log q - log pi)."""
+    from test_custom_code import write_doc_file
+
+    from raygraph.algos.user_code import load_function
+    from raygraph.batch import ADVANTAGES, RESPONSE_MASK, ROLLOUT_LOGPROBS, Batch
+
+    add = load_function(f"{write_doc_file(tmp_path, 'grpo_with_teacher.py')}:add_teacher_term")
+    batch = Batch({ADVANTAGES: torch.tensor([[1.0, 1.0], [-1.0, 0.0]]), RESPONSE_MASK: torch.tensor([[1, 1], [1, 0]]),
+                   ROLLOUT_LOGPROBS: torch.tensor([[-1.0, -2.0], [-0.5, 0.0]]),
+                   "teacher_logprobs": torch.tensor([[-0.5, -3.0], [-0.5, -7.0]])})
+    # beta 0.5: 1 + 0.5 (-0.5 + 1) = 1.25; 1 + 0.5 (-3 + 2) = 0.5; -1 + 0; 0 (padding)
+    torch.testing.assert_close(add(batch, beta=0.5)[ADVANTAGES], torch.tensor([[1.25, 0.5], [-1.0, 0.0]]))
+
+
+def test_the_doc_teacher_workflow_runs_from_a_user_file_on_two_ranks(tmp_path, monkeypatch, tiny_model_path,
+                                                                     teacher_path, ray_local):
+    """The doc's workflow and config, as user files outside the repository: 2 policy ranks (FSDP)
+    and a teacher FSDP-sharded over its own 2 ranks, fused with the policy's processes."""
+    from test_custom_code import write_doc_file
+
+    from raygraph.run.trainer import run
+
+    write_doc_file(tmp_path, "grpo_with_teacher.py")
+    doc = yaml.safe_load(write_doc_file(tmp_path, "teacher.yaml").read_text())
+    doc["extra_roles"]["teacher"]["model_path"] = teacher_path
+    monkeypatch.chdir(tmp_path)
+    overrides = {"workflow": doc["workflow"], "workflow_args": json.dumps(doc["workflow_args"]),
+                 "extra_roles": json.dumps(doc["extra_roles"]), "model.path": tiny_model_path,
+                 "model.build_tiny": "false", "placement.train_workers": 2, "placement.rollout_workers": 2,
+                 "data.train_files": "[data/train.parquet]", "data.val_files": "[data/val.parquet]",
+                 "data.val_prompts": 4, "trainer.total_steps": 2, "trainer.output_dir": "runs",
+                 "logging.mlflow": "false", "checkpoint.save_hf": "false"}
+    summary = run(load_config(TOY, [f"{k}={v}" for k, v in overrides.items()]))
+    rows = [json.loads(line) for line in (summary.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
+    saved = yaml.safe_load((summary.run_dir / "config.yaml").read_text())
+    assert saved["workflow_args"] == {"beta": 0.1} and saved["extra_roles"]["teacher"]["shard"] is True
