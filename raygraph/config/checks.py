@@ -17,6 +17,7 @@ from raygraph.config.frozen_models import frozen_model_problems
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs
 from raygraph.config.workflow_ref import Workflow
 from raygraph.models import lora as lora_models
+from raygraph.rewards.terms import make_terms
 
 __all__ = ["config_problems", "lora_problems", "registry_problems", "semantic_problems", "workflow_problems"]
 
@@ -112,7 +113,25 @@ def _reward(cfg: RaygraphConfig) -> list[str]:
         return ["reward.kind='model' needs reward.model_path (the reward model to load)"]
     if reward.kind == "remote" and reward.remote is None:
         return ["reward.kind='remote' needs reward.remote.url (the scoring service)"]
-    return []
+    return _reward_terms(reward)
+
+
+def _reward_terms(reward) -> list[str]:
+    problems = []
+    if reward.kind != "rule":
+        set_keys = [k for k, v in (("functions", reward.functions), ("workers", reward.workers),
+                                   ("timeout_s", reward.timeout_s)) if v]
+        problems += [f"reward.{k} applies to rule rewards only (reward.kind={reward.kind!r})" for k in set_keys]
+    if reward.functions and reward.function is not None:
+        problems.append("set reward.function or reward.functions, not both")
+    if reward.timeout_s is not None and reward.workers == 0:
+        problems.append("reward.timeout_s needs reward.workers >= 1: a call in the reward actor itself cannot "
+                        "be interrupted")
+    names = [t.name for t in make_terms(None, [t.model_dump() for t in reward.functions])]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice and reward.functions:
+        problems.append(f"reward.functions: the metric names {twice} are used twice; give each a distinct name")
+    return problems
 
 
 def _reference(cfg: RaygraphConfig) -> list[str]:
@@ -335,15 +354,18 @@ def registry_problems(cfg: RaygraphConfig) -> list[str]:
         checks.append(("algorithm.advantage", cfg.algorithm.advantage, advantages.names(), "advantage estimator"))
     if cfg.reward.function is not None:
         checks.append(("reward.function", cfg.reward.function, rewards.names(), "reward function"))
+    checks += [(f"reward.functions[{i}].function", t.function, rewards.names(), "reward function")
+               for i, t in enumerate(cfg.reward.functions)]
     problems = []
     lookups = {"actor.policy_loss": losses.policy_loss_fn, "algorithm.advantage": advantages.requires,
                "reward.function": rewards.get, "actor.kl_loss_kind": kl.check,
                "algorithm.kl_in_reward.kind": kl.check,
                "algorithm.dpo_loss": dpo.check}   # the keys that accept a file.py:fn reference
     for key, name, names, family in checks:
-        if key in lookups and is_code_ref(name):
+        lookup = rewards.get if key.startswith("reward.functions[") else lookups.get(key)
+        if lookup is not None and is_code_ref(name):
             try:
-                lookups[key](name)
+                lookup(name)
             except Exception as exc:  # noqa: BLE001 - user code: any error while importing it is a problem
                 problems.append(f"{key}={name!r}: {exc}")
         elif name not in names:

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 from raygraph.algos.user_code import absolute_ref
 from raygraph.config.section import Section
 
-__all__ = ["OptimConfig", "ActorConfig", "CriticConfig", "ReferenceConfig", "RemoteRewardConfig", "RewardConfig",
+__all__ = ["OptimConfig", "ActorConfig", "CriticConfig", "ReferenceConfig", "RemoteRewardConfig", "RewardConfig", "RewardTermConfig",
            "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig", "LoraConfig", "ExtraRoleConfig"]
 
 
@@ -131,6 +131,15 @@ class RemoteRewardConfig(Section):
     auth_env: str | None = Field(None, description="Environment variable holding a bearer token, if any.")
 
 
+class RewardTermConfig(Section):
+    function: str = Field(description="A reward function by registry name or as my_code.py:my_reward.")
+    weight: float = Field(1.0, description="Its weight in the sample's score (sum of weight x function).")
+    name: str | None = Field(None, description="Its metric name, reward/<name>/mean; null = the registry name "
+                                               "or the function's name in the file.")
+
+    _user_code = field_validator("function")(lambda value: _code_path(value))
+
+
 class RewardConfig(Section):
     kind: Literal["rule", "model", "remote"] = Field("rule", description="rule functions, a reward model, or "
                                                                          "a remote service.")
@@ -144,6 +153,19 @@ class RewardConfig(Section):
     on_non_finite: Literal["fail", "zero"] = Field(
         "fail", description="A NaN or Inf score (or extra): fail the step naming the reward and the sample's "
         "uid, or score the sample 0 and count it in reward/non_finite (share of rows), with a warning.")
+    functions: list[RewardTermConfig] = Field(
+        default_factory=list, description="rule: several reward functions instead of reward.function, e.g. "
+        "[{function: toy_arith, weight: 1.0}, {function: my.py:format_bonus, weight: 0.2}]; score = sum of "
+        "weight x function; each function's unweighted mean is logged as reward/<name>/mean.")
+    workers: int = Field(0, ge=0, description="rule: processes in each reward actor's scoring pool; 0 = call "
+                                              "the functions in the actor itself (no start-up cost, no timeout).")
+    timeout_s: float | None = Field(None, gt=0, description="rule: seconds one call of a reward function on one "
+                                                            "sample may run (needs reward.workers >= 1; the "
+                                                            "hung worker process is killed); null = no limit.")
+    on_error: Literal["fail", "zero"] = Field(
+        "fail", description="rule: a reward call that raises, returns a non-number or times out: fail the step "
+        "naming the function, the sample's uid and the cause, or score that function 0 for the sample and count "
+        "it in reward/errors and reward/timeouts (failed calls per sample), with one warning per step.")
 
 
 class KLInRewardConfig(Section):

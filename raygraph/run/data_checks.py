@@ -53,7 +53,7 @@ def check_data(cfg, train, val_rows=(), tokenizer=None) -> None:
 
 def _rule_reward_problems(cfg, rows) -> list[str]:
     problems = []
-    if cfg.reward.function is None:
+    if cfg.reward.function is None and not cfg.reward.functions:
         known = set(rewards.REWARDS.sources())
         unknown = Counter(r.data_source for r in rows if r.data_source not in known)
         if unknown:

@@ -119,7 +119,9 @@ def _reward_args(cfg) -> dict:
         return {"url": remote.url, "tokenizer_path": tokenizer, "timeout_s": remote.timeout_s,
                 "max_retries": remote.max_retries, "backoff_s": remote.backoff_s, "auth_env": remote.auth_env,
                 **policy}
-    return {"tokenizer_path": tokenizer, "function": reward.function, **policy}
+    return {"tokenizer_path": tokenizer, "function": reward.function, **policy,
+            "functions": [t.model_dump() for t in reward.functions], "workers": reward.workers,
+            "timeout_s": reward.timeout_s, "on_error": reward.on_error, "plugins": tuple(cfg.plugins)}
 
 
 def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from raygraph.batch import TOKEN_LEVEL_SCORES, UID
 from raygraph.rewards import RewardResult
 from raygraph.rewards.batching import NonFiniteRewardError
+from raygraph.rewards.terms import RewardFunctionError
 from raygraph.workers.reward_rule import RuleRewardWorker
 
 
@@ -80,6 +81,6 @@ def test_policy_zero_scores_the_row_zero_and_counts_it(tokenizer_path, sixteen_r
 def test_a_string_score_names_the_function_and_row(tokenizer_path, sixteen_rows, monkeypatch):
     monkeypatch.setattr("raygraph.workers.reward_rule.get",
                         lambda name: lambda text, truth, info: RewardResult(score="1.0"))
-    with pytest.raises(TypeError, match=r"reward function 'str' returned '1.0' \(str\) as the score of row 0 "
-                                        r"\(uid 'p0'\); a score must be a number"):
+    with pytest.raises(RewardFunctionError, match=r"reward function 'str' on row 0 \(uid 'p0'\): TypeError: "
+                                                   r"returned '1.0' \(str\) as the score; a score must be a number"):
         RuleRewardWorker(tokenizer_path, function="str").score(sixteen_rows)
