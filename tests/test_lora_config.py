@@ -89,11 +89,26 @@ def test_dpo_with_lora_uses_the_policy_as_reference():
     assert "policy.ref_logprobs" in repr_methods(step)
 
 
-def test_vllm_gets_merged_weights_and_no_adapter():
-    assert HFRolloutWorker.lora_sync == "adapter" and VLLMRolloutWorker.lora_sync == "merged"
+def test_the_policy_and_the_vllm_engine_get_the_same_sync_mode():
+    spec = LoraSpec(rank=4, alpha=16.0)
+    assert HFRolloutWorker.lora_sync_for("/nonexistent/tiny", spec)[0] == "adapter"
+    # no model config to inspect (not built yet): vLLM cannot be shown to serve it, merged weights
+    mode, line = VLLMRolloutWorker.lora_sync_for("/nonexistent/tiny", spec)
+    assert mode == "merged" and line.startswith("vLLM LoRA: merged weights because the model config")
     cfg = build_config(TINY, ["rollout.engine=vllm", "model.build_tiny=true", "model.tiny_size=tiny"])
     specs = role_specs(cfg, ("policy", "rollout", "reward"))
-    assert specs["policy"].kwargs["lora_sync"] == "merged" and "lora" not in specs["rollout"].kwargs
+    assert specs["policy"].kwargs["lora_sync"] == specs["rollout"].kwargs["lora_sync"] == "merged"
+    assert specs["rollout"].kwargs["lora"] == specs["policy"].kwargs["lora"]
+
+
+def test_vllm_serves_the_adapter_when_it_can(tiny_model_path):
+    pytest.importorskip("vllm")
+    from raygraph.workers import vllm_compat
+
+    mode, line = VLLMRolloutWorker.lora_sync_for(tiny_model_path, LoraSpec(rank=4))   # Qwen2, rank 4
+    assert mode == "adapter" and line == "vLLM LoRA: adapter sync (32768 bytes per sync)"
+    assert "largest max_lora_rank" in vllm_compat.lora_support(tiny_model_path, 1024, "all-linear")
+    assert "lm_head" in vllm_compat.lora_support(tiny_model_path, 4, ("q_proj", "lm_head"))
 
 
 def test_the_shipped_lora_config_loads():

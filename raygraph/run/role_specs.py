@@ -47,12 +47,17 @@ def _lora(cfg) -> LoraSpec | None:
     return LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=targets)
 
 
+def _lora_sync(cfg) -> tuple[str, str]:
+    """What the policy's weight syncs send with LoRA, as the rollout worker class decides, and why."""
+    rollout_cls = worker_classes(cfg, ("rollout",))["rollout"]
+    return rollout_cls.lora_sync_for(cfg.model.path, _lora(cfg))
+
+
 def _lora_args(cfg) -> dict:
-    """The policy's LoRA and what its weight syncs send: what the rollout worker class takes."""
+    """The policy's LoRA and what its weight syncs send (the policy and the rollout get the same)."""
     if cfg.model.lora is None:
         return {}
-    rollout_cls = worker_classes(cfg, ("rollout",))["rollout"]
-    return {"lora": _lora(cfg), "lora_sync": rollout_cls.lora_sync}
+    return {"lora": _lora(cfg), "lora_sync": _lora_sync(cfg)[0]}
 
 
 def _policy_args(cfg) -> dict:
@@ -102,7 +107,8 @@ def _rollout_args(cfg) -> dict:
     if cfg.rollout_engine == "vllm":
         return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization, "max_model_len": r.max_model_len,
                 "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
-                "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps}
+                "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps,
+                **_lora_args(cfg)}
     hf = {"attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size}
     return {**sampling, **hf, **({"lora": _lora(cfg)} if cfg.model.lora is not None else {})}
 
@@ -144,6 +150,8 @@ def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:
     for name, cls in worker_classes(cfg, role_names).items():
         args, world, pool, distributed = layout[name]
         specs[name] = RoleSpec(cls, args(cfg), world, mapping.get(name, pool), distributed=distributed)
+    if cfg.model.lora is not None and "rollout" in specs:
+        print(f"[raygraph] {_lora_sync(cfg)[1]}", flush=True)   # the sync mode, said once
     return specs
 
 

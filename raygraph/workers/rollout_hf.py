@@ -87,11 +87,15 @@ class HFRolloutWorker:
         stop_token_ids: extra ids that end a response (eos always does).
         micro_batch_size: rows per forward pass.
         lora: the policy's LoRA adapters (docs/lora.md): this model gets the same (a fresh adapter
-            changes nothing) and weight syncs load the adapter tensors only (`lora_sync`).
+            changes nothing) and weight syncs load the adapter tensors only (`lora_sync_for`).
         device: default: the current CUDA device, else CPU.
     """
 
-    lora_sync = "adapter"   # with LoRA the policy sends its adapter tensors (raygraph.workers.adapter)
+    @staticmethod
+    def lora_sync_for(model_path: str, lora: LoraSpec) -> tuple[str, str]:
+        """What the policy sends to this engine with LoRA: its adapter tensors (this engine holds
+        the same adapters; `raygraph.workers.adapter`); and a line for the log."""
+        return "adapter", "HF engine LoRA: adapter sync"
 
     def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto", seed: int = 0,
                  n: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,

@@ -19,6 +19,11 @@ row; the same seed, weights and call sequence give the same samples. Greedy rows
 Weights: `load_weights(buckets, version)` streams HF-named tensors into the running engine,
 bucket by bucket (vLLM's layerwise reload re-packs each layer once all its tensors arrived).
 An update must carry every tensor of the model, as the policy's `weight_buckets` does.
+With LoRA (`lora`, `lora_sync="adapter"`, chosen by `lora_sync_for`) the engine runs vLLM's own
+adapter support instead: an update carries the adapter tensors only, written as a PEFT directory
+(`raygraph.workers.vllm_adapter`) and loaded under a new LoRA id per sync (the previous one is
+removed), and every request runs with it. Without it (`lora_sync="merged"`) updates are merged
+full weights, as above.
 
 Prefetching and checkpoints are the HF worker's (`raygraph.workers.prefetch.PrefetchedRollouts`):
 safe formats only, tensors in safetensors, the other columns in JSON (numpy values become lists /
@@ -31,6 +36,7 @@ GPU-only options (`enable_sleep_mode`, `tensor_parallel_size`, `enable_prefix_ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -49,8 +55,10 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.models.loading import load_tokenizer
+from raygraph.models.lora import LoraSpec
 from raygraph.workers import vllm_compat
 from raygraph.workers.prefetch import PrefetchedRollouts
+from raygraph.workers.vllm_adapter import AdapterSlot
 
 __all__ = ["VLLMRolloutWorker"]
 
@@ -80,18 +88,24 @@ class VLLMRolloutWorker:
         enable_prefix_caching: share the KV of repeated prompt prefixes (None: vLLM's default).
         enforce_eager: skip torch.compile / CUDA graphs (faster start, slower decode).
         max_num_seqs: requests decoded together (None: vLLM's default).
+        lora: the policy's LoRA adapters (docs/lora.md); used only with `lora_sync="adapter"`.
+        lora_sync: what the policy's syncs send, `lora_sync_for(model_path, lora)`: "adapter" (the
+            engine serves the adapter with vLLM's LoRA support) or "merged" (full weights).
     """
 
-    # With LoRA the policy sends merged full weights: vLLM's own adapter path (LoRARequest, an
-    # adapter directory per request) is not wired here yet (docs/lora.md).
-    lora_sync = "merged"
+    @staticmethod
+    def lora_sync_for(model_path: str, lora: LoraSpec) -> tuple[str, str]:
+        """What the policy sends to this engine with LoRA: "adapter" when the installed vLLM can
+        serve the adapter (`vllm_compat.lora_support`), else "merged"; and a line for the log."""
+        return _lora_sync(model_path, lora)
 
     def __init__(self, *, model_path: str, dtype: str = "float32", seed: int = 0, n: int = 1,
                  max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), max_model_len: int | None = None,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                  enable_sleep_mode: bool = False, enable_prefix_caching: bool | None = None,
-                 enforce_eager: bool = False, max_num_seqs: int | None = None) -> None:
+                 enforce_eager: bool = False, max_num_seqs: int | None = None, lora: LoraSpec | None = None,
+                 lora_sync: str = "merged") -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -103,11 +117,14 @@ class VLLMRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_eos(model_path),
                                       *stop_token_ids} - {None})
         self._shapes, self._alias = _weight_spec(model_path)
+        self._adapter = AdapterSlot(model_path, lora) if lora is not None and lora_sync == "adapter" else None
+        self._lora, self._lora_id = None, 0   # the LoRARequest in use (None: no adapter synced yet)
         self.engine = vllm_compat.build_engine(
             model_path=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+            max_lora_rank=None if self._adapter is None else lora.rank)
         if temperature != 1.0:
             vllm_compat.scale_logits(self.engine, 1.0 / temperature)
         self.max_model_len = vllm_compat.max_model_len(self.engine)
@@ -128,6 +145,8 @@ class VLLMRolloutWorker:
     def close(self) -> None:
         """Stop the engine's processes (also happens when the worker is garbage-collected)."""
         vllm_compat.shutdown(self.engine)
+        if self._adapter is not None:
+            self._adapter.close()
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, batch: Batch, greedy: bool = False, n: int | None = None,
@@ -163,7 +182,7 @@ class VLLMRolloutWorker:
                                               temperature=(temperature or self.temperature) / self.temperature)
                   for s in seeds]
         self._wake()
-        outputs = vllm_compat.generate_tokens(self.engine, prompts, params)
+        outputs = vllm_compat.generate_tokens(self.engine, prompts, params, lora=self._lora)
         if self.enable_sleep_mode:
             self.sleep()
         width = max(len(tokens) for tokens, _ in outputs)
@@ -229,6 +248,9 @@ class VLLMRolloutWorker:
         sent under either name (once is enough). The update must contain every tensor of the
         model: vLLM re-packs a layer from the tensors it received.
 
+        With adapter syncs (`lora_sync="adapter"`) the update is the adapter's tensors instead, every
+        one of them, in the policy's peft names (`_load_adapter`).
+
         Returns:
             `{"loaded": number of tensors, "bytes": bytes received, "version": version}`.
 
@@ -237,6 +259,8 @@ class VLLMRolloutWorker:
             ValueError: a shape mismatch, naming the parameter; or tensors missing at the end
                 (the engine's weights are then inconsistent: send a full update).
         """
+        if self._adapter is not None:
+            return self._load_adapter(buckets, version)
         loaded, nbytes, seen = 0, 0, set()
         self._wake()
         vllm_compat.begin_weight_update(self.engine)
@@ -257,6 +281,19 @@ class VLLMRolloutWorker:
         if missing:
             raise ValueError(f"load_weights: the update lacks {len(missing)} of the model's {len(self._shapes)} "
                              f"tensors, e.g. {missing[:3]}; vLLM needs whole layers: send every tensor")
+        self._weight_version = int(version)
+        return {"loaded": loaded, "bytes": nbytes, "version": int(version)}
+
+    def _load_adapter(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
+        """A new adapter under a new LoRA id (vLLM caches adapters by id: reusing one would serve
+        the old tensors); the previous adapter leaves the engine and the disk."""
+        loaded, nbytes = self._adapter.receive(buckets)
+        self._wake()
+        previous, self._lora_id = self._lora, self._lora_id + 1
+        self._lora = vllm_compat.add_lora(self.engine, self._lora_id, self._adapter.write(self._lora_id))
+        if previous is not None:
+            vllm_compat.remove_lora(self.engine, previous.lora_int_id)
+            self._adapter.drop(previous.lora_int_id)
         self._weight_version = int(version)
         return {"loaded": loaded, "bytes": nbytes, "version": int(version)}
 
@@ -288,6 +325,14 @@ class VLLMRolloutWorker:
     def _wake(self) -> None:
         if self._asleep:
             self.wake_up()
+
+
+@functools.cache   # one decision per model and spec (the driver asks for the policy and the rollout)
+def _lora_sync(model_path: str, lora: LoraSpec) -> tuple[str, str]:
+    reason = vllm_compat.lora_support(model_path, lora.rank, lora.target_modules)
+    if reason is None:
+        return "adapter", f"vLLM LoRA: adapter sync ({AdapterSlot(model_path, lora).bytes} bytes per sync)"
+    return "merged", f"vLLM LoRA: merged weights because {reason}"
 
 
 def _generation_eos(model_path: str) -> list[int]:

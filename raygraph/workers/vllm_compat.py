@@ -26,10 +26,15 @@ What is used, and why:
   as soon as all its tensors arrived; only its tensors are buffered meanwhile.
   Buckets travel as RPC arguments (serialised; fine on CPU and for colocated tests). On GPUs the
   same entry points work; NCCL / CUDA-IPC transfer would replace the argument path.
+* LoRA (`lora_support`, `build_engine(max_lora_rank=...)`, `add_lora` / `remove_lora`): the engine
+  is built with `enable_lora` and serves an adapter given as a PEFT directory (`LoRARequest`);
+  vLLM caches adapters by their int id, so each synced adapter gets a new id and the previous one
+  is removed. vLLM 0.32 accepts only the ranks in `_LORA_RANKS` as `max_lora_rank`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -37,9 +42,9 @@ from typing import Any
 import torch
 
 __all__ = [
-    "SUPPORTED_VLLM", "begin_weight_update", "build_engine", "finish_weight_update", "generate_tokens",
-    "load_bucket", "max_model_len", "on_cpu", "sampling_params", "scale_logits", "shutdown",
-    "sleep", "vllm_version", "wake_up",
+    "SUPPORTED_VLLM", "add_lora", "begin_weight_update", "build_engine", "finish_weight_update",
+    "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
+    "sampling_params", "scale_logits", "shutdown", "sleep", "vllm_version", "wake_up",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = (">=0.32", "<0.33")
 _MIN, _NEXT = (0, 32), (0, 33)
 _EXTENSION = f"{__name__}._WorkerExtension"
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vllm.config.lora.MaxLoRARanks in 0.32
 
 
 def vllm_version() -> str:
@@ -77,8 +83,10 @@ def on_cpu() -> bool:
 def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int | None,
                  tensor_parallel_size: int, gpu_memory_utilization: float | None,
                  enable_sleep_mode: bool, enable_prefix_caching: bool | None, enforce_eager: bool,
-                 max_num_seqs: int | None) -> Any:
+                 max_num_seqs: int | None, max_lora_rank: int | None = None) -> Any:
     """An offline `vllm.LLM` engine set up for raygraph (see the module docstring).
+
+    `max_lora_rank`: serve LoRA adapters up to this rank (one at a time); None: no LoRA.
 
     Raises:
         ValueError: a GPU-only feature was asked for on the CPU backend.
@@ -95,6 +103,8 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
     extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     if enable_prefix_caching is not None:
         extra["enable_prefix_caching"] = enable_prefix_caching
+    if max_lora_rank is not None:   # the smallest rank vLLM accepts that holds the adapter's
+        extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in _LORA_RANKS if r >= max_lora_rank))
     return LLM(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -120,10 +130,12 @@ def sampling_params(*, greedy: bool, top_p: float, top_k: int, max_tokens: int,
     )
 
 
-def generate_tokens(engine: Any, prompts: Sequence[list[int]], params: Sequence[Any]
+def generate_tokens(engine: Any, prompts: Sequence[list[int]], params: Sequence[Any], lora: Any = None
                     ) -> list[tuple[list[int], list[float]]]:
-    """`(response token ids, their log-probs)` per prompt (token-id prompts), in input order."""
-    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], list(params), use_tqdm=False)
+    """`(response token ids, their log-probs)` per prompt (token-id prompts), in input order;
+    `lora`: the `LoRARequest` every prompt runs with (from `add_lora`), or None (the base model)."""
+    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], list(params), use_tqdm=False,
+                              lora_request=lora)
     result = []
     for out in outputs:
         sample = out.outputs[0]
@@ -131,6 +143,57 @@ def generate_tokens(engine: Any, prompts: Sequence[list[int]], params: Sequence[
         logprobs = [float(step[token].logprob) for token, step in zip(tokens, sample.logprobs)]
         result.append((tokens, logprobs))
     return result
+
+
+@functools.cache
+def lora_support(model_path: str, rank: int, targets: str | tuple[str, ...]) -> str | None:
+    """None when the installed vLLM can serve this adapter itself, else the reason it cannot.
+
+    Checked: vLLM (supported version) with `LoRARequest` and `enable_lora`; the model's
+    architecture implements vLLM's LoRA interface; `rank` <= the largest `max_lora_rank`; no
+    adapter on `lm_head` (vLLM treats an output-head adapter apart from the linear layers').
+    """
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    try:
+        vllm_version()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.lora.request import LoRARequest  # noqa: F401  (the adapter path needs it)
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+    except (ImportError, RuntimeError) as err:
+        return f"this vLLM has no usable LoRA support ({err})"
+    if "enable_lora" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return f"vLLM {vllm_version()} takes no enable_lora"
+    if rank > _LORA_RANKS[-1]:
+        return f"rank {rank} is above vLLM's largest max_lora_rank {_LORA_RANKS[-1]}"
+    if not isinstance(targets, str) and "lm_head" in targets:
+        return "an adapter on lm_head"
+    try:
+        archs = AutoConfig.from_pretrained(model_path).architectures or []
+    except OSError as err:   # e.g. a model that `raygraph train` has not built yet
+        return f"the model config at {model_path} cannot be read ({type(err).__name__})"
+    classes = [ModelRegistry._try_load_model_cls(arch) for arch in archs]   # noqa: SLF001 (no public lookup in 0.32)
+    if not any(cls is not None and supports_lora(cls) for cls in classes):
+        return f"vLLM's implementation of {archs} has no LoRA support"
+    return None
+
+
+def add_lora(engine: Any, lora_id: int, path: str) -> Any:
+    """Load the PEFT adapter at `path` into the engine under the new id `lora_id` (> 0, never
+    reused: vLLM would serve its cached adapter); returns the `LoRARequest` to generate with."""
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(lora_name=f"raygraph-{lora_id}", lora_int_id=lora_id, lora_path=path)
+    if not engine.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM refused the LoRA adapter at {path}")
+    return request
+
+
+def remove_lora(engine: Any, lora_id: int) -> None:
+    engine.llm_engine.remove_lora(lora_id)
 
 
 def max_model_len(engine: Any) -> int:

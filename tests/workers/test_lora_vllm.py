@@ -1,5 +1,6 @@
-"""LoRA policy -> vLLM engine (CPU build): merged weights, verified, and the engine's log-probs of
-its samples equal the LoRA policy's own."""
+"""LoRA policy -> vLLM engine (CPU build) in the fallback mode, merged weights (what a vLLM without
+usable LoRA support gets): verified, and the engine's log-probs of its samples equal the LoRA
+policy's own. The adapter mode is tested in test_lora_vllm_adapter.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from raygraph.workers.rollout_vllm import VLLMRolloutWorker  # noqa: E402
 def test_merged_lora_weights_drive_the_vllm_engine(tmp_path, rollout_batch):
     path = str(build_tiny_lm(tmp_path / "small", size="small", seed=0))   # head_dim 32 for vLLM's CPU attention
     policy = PolicyWorker(model_path=path, lr=1e-2, temperature=0.8, lora=LoraSpec(rank=8, alpha=16.0),
-                          lora_sync=VLLMRolloutWorker.lora_sync)
+                          lora_sync="merged")
     batch = rollout_batch(6, seed=0)
     batch = batch.union(policy.logprobs(batch)).with_columns(
         **{ADVANTAGES: torch.randn(batch[RESPONSE_MASK].shape, generator=torch.Generator().manual_seed(0))})
