@@ -91,15 +91,28 @@ class RewardPool:
         size = max(1, math.ceil(len(calls) / (_CHUNKS_PER_WORKER * len(self._workers))))
         queue = deque(list(range(i, min(i + size, len(calls)))) for i in range(0, len(calls), size))
         while any(o is None for o in outcomes):
-            for w in self._workers:
+            for w in list(self._workers):
                 if w.ready and not w.calls and queue:
-                    chunk = queue.popleft()
-                    w.calls, w.since = deque(chunk), time.monotonic()
-                    w.conn.send([(i, calls[i]) for i in chunk])
+                    self._dispatch(w, queue, calls)
             wait([x for w in self._workers for x in (w.conn, w.proc.sentinel)], self._wait_s())
             for w in list(self._workers):
                 self._poll(w, outcomes, queue)
         return outcomes
+
+    def _dispatch(self, w: _Worker, queue: deque, calls: Sequence[Call]) -> None:
+        """Send `w` the next chunk; a worker that died while idle is replaced, its chunk kept queued."""
+        chunk = queue.popleft()
+        try:
+            w.conn.send([(i, calls[i]) for i in chunk])
+        except OSError:   # BrokenPipeError: it died between two batches
+            queue.appendleft(chunk)
+            w.proc.kill()
+            w.proc.join()
+            w.conn.close()
+            self._workers[self._workers.index(w)] = self._start()
+            self.restarts += 1
+            return
+        w.calls, w.since = deque(chunk), time.monotonic()
 
     def _wait_s(self) -> float | None:
         busy = [w.since for w in self._workers if w.ready and w.calls]

@@ -142,7 +142,8 @@ def combine(terms: Sequence[RewardTerm], outcomes: Mapping[tuple[int, int], Outc
 
 def _describe(terms: Sequence[RewardTerm], failed: list, uids: Sequence[Any] | None, n: int) -> str:
     """'reward function 'x' failed for 2 calls on 8 samples: row 3 (uid 'a'): ValueError: ...; ...'"""
-    first = "; ".join(f"reward function {terms[k].ref or BY_SOURCE!r} on row {row}"
+    first = "; ".join((f"reward function {terms[k].ref!r}" if terms[k].ref else "the data_source's reward function")
+                      + f" on row {row}"
                       + (f" (uid {uids[row]!r})" if uids is not None else "") + f": {o.failure}"
                       for k, row, o in failed[:3])
     more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""

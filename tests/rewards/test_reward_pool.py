@@ -79,7 +79,7 @@ def test_a_hung_call_times_out_scores_zero_and_is_counted(tokenizer_path, user_f
     assert scores_of(out) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]     # exact match with "7"; row 1 timed out
     assert out["reward_extra.timeouts"].tolist() == [0.0, 1.0, 0, 0, 0, 0]   # reward/timeouts = 1/6
     assert out["reward_extra.errors"].tolist() == [0.0] * 6
-    assert 1.0 <= elapsed < 3.0 and restarts == 1   # killed after ~timeout_s, replaced once
+    assert 1.0 <= elapsed < 5.0 and restarts == 1   # killed after ~timeout_s (1.0-1.1 s idle machine), replaced
     warnings = [r.getMessage() for r in caplog.records if "reward call" in r.getMessage()]
     assert len(warnings) == 1 and "hang_on_8" in warnings[0] and "(uid 'u1')" in warnings[0]
     assert "TimeoutError: still running after reward.timeout_s=1 s" in warnings[0]
@@ -141,6 +141,15 @@ def test_the_pool_sees_the_plugins_registered_names(tmp_path):
     with RewardPool(["length_tenths"], workers=1, plugins=[str(tmp_path / "my_plugin.py")]) as pool:
         outcomes = pool.run([Call(0, i, text, "7", None, "toy_arith") for i, text in enumerate(["ab", "abcd"])])
     assert [o.score for o in outcomes] == [0.2, 0.4] and all(o.failure is None for o in outcomes)
+
+
+def test_a_worker_that_died_between_steps_is_replaced_without_losing_a_call():
+    calls = [Call(0, i, text, "7", None, "toy_arith") for i, text in enumerate(["7", "8", "7"])]
+    with RewardPool(["toy_arith"], workers=1) as pool:
+        assert [o.score for o in pool.run(calls)] == [1.0, 0.0, 1.0]
+        pool._workers[0].proc.kill()     # e.g. the OOM killer, while the pool is idle
+        pool._workers[0].proc.join()
+        assert [o.score for o in pool.run(calls)] == [1.0, 0.0, 1.0] and pool.restarts == 1
 
 
 def test_a_plugin_that_fails_in_the_pool_fails_its_start(tmp_path, user_file):
