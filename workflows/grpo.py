@@ -26,6 +26,11 @@ How this departs from the paper (all config, same file):
 - `algorithm.rollout_correction` (off by default) corrects every token for the rollout engine's
   mismatch with the trainer (truncated or masked IS on `pi_old / pi_rollout`, with the old
   log-probs recomputed by the trainer; `raygraph.graph.whole_batch.correct_rollouts`).
+- DAPO's options (Yu et al. 2025; `raygraph.graph.dapo`, all off by default):
+  `algorithm.overlong_penalty` (soft length penalty), `algorithm.mask_truncated` (cut responses
+  leave the loss), `algorithm.dynamic_sampling` (groups whose accuracy does not vary are dropped
+  and the step trains on the rest; unlike the paper, no further prompts are sampled to refill the
+  batch, so it shrinks, and an empty one makes no optimizer step).
 - Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
   policy before the update (`old_logprobs`) and each token's advantage is weighted by
   `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
@@ -36,11 +41,12 @@ How this departs from the paper (all config, same file):
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns, update_batch
+from raygraph.graph.fragments import rollout_columns, shape_rollouts, update_batch
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
 MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
+SHAPES_ROLLOUTS = True  # algorithm.overlong_penalty, mask_truncated, dynamic_sampling (shape_rollouts)
 
 
 def build(roles, cfg):
@@ -48,14 +54,16 @@ def build(roles, cfg):
     pipelined = cfg.placement.max_staleness > 0
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate", prompts)
+        scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
+        scored, shaping = shape_rollouts(roles, cfg, scored)   # DAPO options: the batch may shrink
         batch = roles.apply(
-            whole_batch.compute_advantages, roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts)), prompts,
+            whole_batch.compute_advantages, scored, prompts,
             estimator=cfg.algorithm.advantage, old_from_rollout=cfg.old_logprobs_source == "rollout",
             gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
         )
         train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
-        metrics = [roles.apply(whole_batch.rollout_metrics, batch), *correction]
+        metrics = [roles.apply(whole_batch.rollout_metrics, batch), *correction, *shaping]
         update = roles.policy.bind("update", train_batch)
         if not pipelined:
             return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update), *metrics])

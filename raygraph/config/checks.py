@@ -55,6 +55,13 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
     elif workflow.advantages and advantage in advantages.names() and advantage not in workflow.advantages:
         problems.append(f"algorithm.advantage={advantage!r} is not an estimator that workflow {workflow.ref!r} "
                         f"implements; it accepts: {', '.join(workflow.advantages)} (default {workflow.advantages[0]})")
+    algo = cfg.algorithm
+    shaping = [key for key, on in (("overlong_penalty", algo.overlong_penalty.buffer > 0),
+                                   ("mask_truncated", algo.mask_truncated),
+                                   ("dynamic_sampling", algo.dynamic_sampling.enabled)) if on]
+    if shaping and not workflow.shapes_rollouts:
+        problems.append(f"algorithm.{shaping[0]} is set, but workflow {workflow.ref!r} does not apply DAPO's "
+                        "shaping options (it declares no SHAPES_ROLLOUTS = True; the grpo workflow does)")
     if cfg.placement.max_staleness > workflow.max_staleness:
         problems.append(f"placement.max_staleness={cfg.placement.max_staleness}, but workflow {workflow.ref!r} "
                         f"implements at most {workflow.max_staleness} (0: synchronous only)")
@@ -64,7 +71,7 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
 def semantic_problems(cfg: RaygraphConfig) -> list[str]:
     """Cross-field rules, in plain language (no imports beyond the schema)."""
     problems: list[str] = []
-    for check in (_batch_split, _groups, _reward, _reference, _placement, _pools, _data, _chat_template,
+    for check in (_batch_split, _groups, _dapo, _reward, _reference, _placement, _pools, _data, _chat_template,
                   _mixing, _trainer):
         problems.extend(check(cfg))
     return problems
@@ -94,6 +101,18 @@ def _batch_split(cfg: RaygraphConfig) -> list[str]:
         if mini % place.train_workers:
             problems.append(f"{name}.mini_batch_size={mini} is not a multiple of placement.train_workers="
                             f"{place.train_workers}: every rank must get the same share of an optimizer step")
+    return problems
+
+
+def _dapo(cfg: RaygraphConfig) -> list[str]:
+    algo, problems = cfg.algorithm, []
+    if algo.dynamic_sampling.enabled and cfg.rollout.n < 2:
+        problems.append(f"algorithm.dynamic_sampling keeps groups whose samples differ, so rollout.n must be at "
+                        f"least 2 (got {cfg.rollout.n}); every group of one sample would be dropped")
+    if algo.overlong_penalty.buffer >= cfg.rollout.max_new_tokens:
+        problems.append(f"algorithm.overlong_penalty.buffer={algo.overlong_penalty.buffer} must be below "
+                        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty starts that many "
+                        "tokens before the limit)")
     return problems
 
 

@@ -189,6 +189,23 @@ class RolloutCorrectionConfig(Section):
     cap: float = Field(2.0, gt=1.0, description="Truncation (truncated_is) or band (masked_is) of the ratio.")
 
 
+class DynamicSamplingConfig(Section):
+    enabled: bool = Field(False, description="DAPO dynamic sampling's filter (grpo workflow): after scoring, drop "
+                                             "the groups whose samples all have the same `metric`; the update "
+                                             "trains on the rest (the batch shrinks, possibly to nothing: then "
+                                             "no optimizer step, counted in actor/empty_updates). Metrics: "
+                                             "rollout/groups_total, rollout/groups_kept, rollout/groups_filtered.")
+    metric: str = Field("acc", description="What must vary within a group: a reward extra (`acc`, raw accuracy, "
+                                           "the default) or `score` (the summed token-level score).")
+
+
+class OverlongPenaltyConfig(Section):
+    buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment (grpo workflow): over the last `buffer` "
+                                             "tokens before rollout.max_new_tokens the score falls linearly from 0 "
+                                             "to -factor (0 = off). Metric: reward/overlong_penalty_mean.")
+    factor: float = Field(1.0, ge=0, description="The penalty at rollout.max_new_tokens tokens.")
+
+
 class AlgorithmConfig(Section):
     advantage: str | None = Field(None, description="Advantage estimator by registry name "
                                                       "(raygraph.algos.advantages), one of those the workflow "
@@ -207,6 +224,14 @@ class AlgorithmConfig(Section):
                                                  "one a plugin registers) or as my_code.py:my_dpo_loss.")
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig,
                                                         description="Rollout-vs-trainer mismatch correction.")
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig,
+                                                    description="DAPO: filter groups with no spread.")
+    overlong_penalty: OverlongPenaltyConfig = Field(default_factory=OverlongPenaltyConfig,
+                                                    description="DAPO: soft penalty near the length limit.")
+    mask_truncated: bool = Field(False, description="DAPO overlong filtering (grpo workflow): responses that reach "
+                                                    "rollout.max_new_tokens get a zero response_mask (no loss); "
+                                                    "they still count in their group's statistics. Metric: "
+                                                    "rollout/truncated_rows.")
 
     _user_code = field_validator("advantage", "dpo_loss")(lambda value: _code_path(value))
     is_cap: float = Field(2.0, ge=1.0, description="Asynchronous pipelining (placement.max_staleness > 0): "

@@ -8,6 +8,9 @@ Resolving it imports the workflow module and reads what it declares (module-leve
                    default "grpo"
     DATA_FORMAT    "rl" prompts (default), "sft" prompt/response pairs or "dpo" preference pairs
     MAX_STALENESS  the largest `placement.max_staleness` its graph implements (default 0)
+    SHAPES_ROLLOUTS  True when its graph applies DAPO's shaping options (`algorithm.overlong_penalty`,
+                   `algorithm.mask_truncated`, `algorithm.dynamic_sampling`, through
+                   `raygraph.graph.fragments.shape_rollouts`); default False, and then setting them is an error
     ARGS           a pydantic model of its arguments (the config's `workflow_args`); build then
                    receives `args=ARGS(...)`. Without it, the keyword-only arguments of build
                    (`def build(roles, cfg, *, min_std: float = 0.0)`) are its arguments.
@@ -64,6 +67,7 @@ class Workflow:
     max_staleness: int = 0
     args: type[BaseModel] | None = None   # its arguments (`workflow_args`); None: it takes none
     args_as_model: bool = False           # True: declared as ARGS, passed as `args=`; else as keywords
+    shapes_rollouts: bool = False         # SHAPES_ROLLOUTS: honours the DAPO shaping options
 
     @property
     def default_advantage(self) -> str | None:
@@ -172,7 +176,7 @@ def load_workflow(ref: str) -> Workflow:
     return Workflow(ref, build, tuple(getattr(module, "ROLES", DEFAULT_ROLES)),
                     None if advantages is None else tuple(advantages),
                     getattr(module, "DATA_FORMAT", "rl"), int(getattr(module, "MAX_STALENESS", 0)),
-                    args, declared is not None)
+                    args, declared is not None, shapes_rollouts=bool(getattr(module, "SHAPES_ROLLOUTS", False)))
 
 
 def _strict(model: type[BaseModel]) -> type[BaseModel]:

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from raygraph.graph import whole_batch
+from raygraph.graph import dapo, whole_batch
 from raygraph.graph.nodes import InputNode, MultiOutputNode
 
-__all__ = ["reference_logprobs", "rollout_columns", "validation_graph", "update_batch"]
+__all__ = ["reference_logprobs", "rollout_columns", "shape_rollouts", "validation_graph", "update_batch"]
 
 
 def rollout_columns(roles, cfg, rollouts) -> list:
@@ -23,6 +23,29 @@ def rollout_columns(roles, cfg, rollouts) -> list:
     if cfg.uses_reference or "reference" in roles.names():
         parts.append(reference_logprobs(roles, cfg, rollouts))
     return parts
+
+
+def shape_rollouts(roles, cfg, scored):
+    """DAPO's shaping of the scored rollouts, each step only when configured (`raygraph.graph.dapo`):
+    the overlong penalty (`algorithm.overlong_penalty.buffer` > 0), the truncation mask
+    (`algorithm.mask_truncated`), then the group filter (`algorithm.dynamic_sampling.enabled`),
+    after which the batch may be smaller than the step's, or empty.
+
+    Returns:
+        `(batch node, [metric nodes])`; no nodes at all when nothing is configured.
+    """
+    algo, max_len = cfg.algorithm, cfg.rollout.max_new_tokens
+    batch = scored
+    if algo.overlong_penalty.buffer:
+        batch = roles.apply(dapo.overlong_penalty, batch, max_len=max_len, buffer=algo.overlong_penalty.buffer,
+                            factor=algo.overlong_penalty.factor)
+    if algo.mask_truncated:
+        batch = roles.apply(dapo.mask_truncated, batch, max_len=max_len)
+    if algo.dynamic_sampling.enabled:
+        batch = roles.apply(dapo.filter_groups, batch, metric=algo.dynamic_sampling.metric)
+    if batch is scored:
+        return scored, []
+    return batch, [roles.apply(dapo.shaping_metrics, batch)]
 
 
 def reference_logprobs(roles, cfg, batch):

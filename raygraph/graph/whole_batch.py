@@ -246,6 +246,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
 
     (`rollout/logprob_diff_max`, the rollout engine's log-probs against the policy's, comes from
     `PolicyWorker.update`, which computes the policy's anyway.)"""
+    if len(batch) == 0:   # every group filtered out (DAPO dynamic sampling): nothing to describe
+        return {"rollout/samples": 0.0, "rollout/tokens": 0.0}
     mask = batch[RESPONSE_MASK]
     lengths = batch[RESPONSE_LENGTH].float() if RESPONSE_LENGTH in batch else mask.sum(-1).float()
     out = _reward_summary(batch, "reward")

@@ -145,23 +145,29 @@ def run_minibatches(
     `mini_batch_size` is per-rank rows per optimizer step (None: the whole shard). The lr
     scheduler advances once per optimizer step (warmup/total steps count optimizer steps). Ranks run
     the same number of steps and micro-batches (`lockstep`); a rank short of data runs a
-    zero-weight dummy micro-batch so that FSDP's collectives still match.
+    zero-weight dummy micro-batch so that FSDP's collectives still match, also a rank with no rows
+    at all (a filtered batch split over more ranks than it has groups). A call with no rows on any
+    rank does nothing: no optimizer step, no scheduler step, `empty_updates` 1.
 
     Returns:
         Means over the non-skipped optimizer steps of every loss term and token stat (global
         over ranks), plus `grad_norm`, `skipped_steps`, `optimizer_steps` (attempted, skipped
-        ones included) and `lr` (of the last step).
+        ones included), `lr` (of the last step) and `empty_updates` (1 when no rank had a row).
     """
-    if len(batch) == 0 or epochs < 1:
-        raise ValueError(f"need a non-empty batch and epochs >= 1, got {len(batch)} rows, {epochs} epochs")
-    mini_size = mini_batch_size or len(batch)
+    if epochs < 1:
+        raise ValueError(f"need epochs >= 1, got {epochs}")
+    lr = optimizer.param_groups[0]["lr"]
+    if all_reduce(torch.tensor([len(batch)]), "sum").item() == 0:
+        # every row was filtered out (e.g. DAPO dynamic sampling): no optimizer step on nothing,
+        # and the lr schedule stays where it is; the caller counts and logs it
+        return {"empty_updates": 1.0, "optimizer_steps": 0.0, "skipped_steps": 0.0, "lr": lr}
+    mini_size = mini_batch_size or max(len(batch), 1)
     world = world_size()
     step_values, norms, skipped = [], [], []
-    lr = optimizer.param_groups[0]["lr"]
     for _ in range(epochs):
         for mini, _dummy in lockstep(batch.split(mini_size), lambda: batch.select(slice(0, 0))):
             micros = lockstep(mini.micro_batches(micro_batch_size, max_tokens_per_micro_batch) if len(mini) else [],
-                              lambda: batch.select(slice(0, 1)))
+                              lambda: _dummy_row(batch))
             masks = [m[mask_key] for m, is_dummy in micros if not is_dummy]
             totals = all_reduce(torch.tensor([sum(losses.normaliser(loss_agg, m) or 0.0 for m in masks),
                                               sum(float(m.sum()) for m in masks)], dtype=torch.float64))
@@ -185,7 +191,19 @@ def run_minibatches(
             step_values.append(values)
             norms.append(norm)
             skipped.append(was_skipped)
-    return _summarise(step_values, norms, skipped) | {"lr": lr}
+    return _summarise(step_values, norms, skipped) | {"lr": lr, "empty_updates": 0.0}
+
+
+def _dummy_row(batch: Batch) -> Batch:
+    """One row to run with weight 0 where this rank's shard is shorter than another's (FSDP's
+    collectives must match): a real row when the shard has one, else a neutral row built from the
+    columns' shapes (a rank left with no rows by a filtered batch), with every `*mask` column 1 so
+    that no attention row is fully masked (some kernels give NaN there, and NaN * 0 is NaN)."""
+    if len(batch):
+        return batch.select(slice(0, 1))
+    tensors = {name: (torch.ones if name.endswith("mask") else torch.zeros)((1, *t.shape[1:]), dtype=t.dtype)
+               for name, t in batch.tensors.items()}
+    return Batch(tensors, {name: np.resize(v, 1) for name, v in batch.non_tensors.items()}, dict(batch.meta))
 
 
 def _summarise(step_values: list[dict[str, float]], norms: list[float], skipped: list[bool]) -> dict[str, float]:

@@ -184,7 +184,8 @@ class PolicyWorker:
         Returns:
             `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/clipfrac_lower`,
             `actor/approx_kl` (a user loss: the stats it returns), `actor/entropy`,
-            `actor/kl_loss`, `actor/skipped_steps`: means over the optimizer
+            `actor/kl_loss`, `actor/skipped_steps`, `actor/empty_updates` (1: no rank had a row,
+            no optimizer step, see `_train.run_minibatches`): means over the optimizer
             steps of this call, global over ranks (identical on every rank); `actor/lr`: the
             lr of the last step.
         """
@@ -218,6 +219,8 @@ class PolicyWorker:
         metrics = self.trained.train(batch, loss_fn, mask_key=mask_key, loss_agg=agg, epochs=epochs,
                                      optimizer=optimizer, scheduler=scheduler)
         sync = self.adapter.metrics() if self.adapter is not None else {}
+        if metrics.get("empty_updates"):
+            log.warning("policy: no rows to train on any rank this step (all filtered out): no optimizer step")
         if metrics["skipped_steps"]:
             log.warning("policy: skipped %d optimizer step(s) with a non-finite loss or gradient norm",
                         metrics["skipped_steps"])
