@@ -117,6 +117,8 @@ class VLLMRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_eos(model_path),
                                       *stop_token_ids} - {None})
         self._shapes, self._alias = _weight_spec(model_path)
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"unknown lora_sync {lora_sync!r}; valid: adapter, merged")
         self._adapter = AdapterSlot(model_path, lora) if lora is not None and lora_sync == "adapter" else None
         self._lora, self._lora_id = None, 0   # the LoRARequest in use (None: no adapter synced yet)
         self.engine = vllm_compat.build_engine(
