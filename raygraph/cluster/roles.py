@@ -123,6 +123,7 @@ class Roles:
         self.hosts: list = []
         self.coordinator = None
         self.weights: WeightSync | None = None
+        self.launches: dict[str, tuple] = {}   # actor name -> (actor class, options, args, fused roles)
         self._closed = False
 
     def __getattr__(self, name: str) -> RoleGroup:
@@ -314,11 +315,12 @@ def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ..
             cpus = pool.cpus_per_bundle / share
             cls = ray.remote(num_cpus=cpus, num_gpus=pool.gpus_per_bundle / share)(RoleHost)
             threads = {"OMP_NUM_THREADS": str(max(1, int(cpus)))}
-            actor = cls.options(
-                name=actor_name, max_restarts=0, runtime_env={"env_vars": {**threads, **env}},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    roles.placement_groups[spec.pool], placement_group_bundle_index=bundle),
-            ).remote(actor_name, {role: rank for role in unit}, plugins)
+            options = dict(name=actor_name, max_restarts=0, runtime_env={"env_vars": {**threads, **env}},
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               roles.placement_groups[spec.pool], placement_group_bundle_index=bundle))
+            args = (actor_name, {role: rank for role in unit}, plugins)
+            roles.launches[actor_name] = (cls, options, args, unit)   # to start it again in its bundle
+            actor = cls.options(**options).remote(*args)
             roles.hosts.append(actor)
             for role in unit:
                 members[role].append((actor, actor_name))

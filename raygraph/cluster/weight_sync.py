@@ -59,6 +59,19 @@ class WeightSync:
             wait_calls(refs, [m[1] for m in members], ["weights_join"] * world, timeout_s=self.timeout_s + 10)
             self._collectives[(src, dst)] = name
 
+    def collective_pairs(self) -> list[tuple[str, str]]:
+        """The (src, dst) pairs whose weights move over a collective group."""
+        return list(self._collectives)
+
+    def reconnect(self, actors: Sequence[Any]) -> list[tuple[str, str]]:
+        """Create a fresh collective group for every pair with a member among `actors` (started
+        again after a death: the old group still names the dead process); returns those pairs."""
+        ids = {a._actor_id for a in actors}
+        pairs = [(src, dst) for src, dst in self._collectives
+                 if ids & {a._actor_id for a in (self.groups[src].actors[0], *self.groups[dst].actors)}]
+        self.connect(pairs)
+        return pairs
+
     def fused(self, src: str, dst: str) -> bool:
         """Whether ranks of roles `src` and `dst` share actor processes (weights move in-process)."""
         return self.groups[src].shares_actors_with(self.groups[dst])

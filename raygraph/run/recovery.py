@@ -14,6 +14,8 @@ while every actor is alive (a bug, a bad reward, NaN) is not: it would fail agai
 the run at once. Each recovery is said on the console and recorded in `recoveries.jsonl`
 (cause, role/rank/node, seconds to restart, checkpoint step) and in the next step's metrics
 (`recovery/count`, `recovery/restart_s`, `recovery/redone_steps`), so MLflow shows it too.
+A dead stateless actor alone (rollout, reward) is first recovered at stage level
+(`raygraph.run.stage_recovery`), which records here too, with `kind: "stage"`.
 """
 
 from __future__ import annotations
@@ -55,28 +57,59 @@ class Recoveries:
     max_restarts: int
     run_dir: Path | None = None
     count: int = 0
+    stage_count: int = 0
     _failed_at: float | None = None
     _failed_step: int = 0
     _pending: dict = field(default_factory=dict)
 
     def should_retry(self, exc: BaseException, dead_actors: list[str], failed_step: int) -> bool:
         """Decide on one failure; when retrying, record it (console, recoveries.jsonl)."""
+        if not self._take_one(exc, dead_actors):
+            return False
+        self._failed_at, self._failed_step = time.monotonic(), failed_step
+        self._record_failure("run", exc, dead_actors, failed_step,
+                             "rebuilding the roles and resuming from the newest checkpoint")
+        return True
+
+    def stage_failed(self, exc: BaseException, dead_actors: list[str], failed_step: int) -> bool:
+        """A step failed and only actors of stateless roles died: take one recovery from the budget
+        and record it (kind "stage") if any is left."""
+        if not self._take_one(exc, dead_actors):
+            return False
+        self._record_failure("stage", exc, dead_actors, failed_step,
+                             "restarting only those actors and running the step again")
+        return True
+
+    def stage_done(self, failed_step: int, restart_s: float, weights: dict) -> None:
+        """The dead actors run again with the current weights: record how long it took."""
+        print(f"[raygraph] recovery {self.count} (stage): actors back after {restart_s:.1f}s, step {failed_step} "
+              "runs again (no checkpoint loaded)", flush=True)
+        self._write({"recovery": self.count, "kind": "stage", "time": time.time(), "rerun_step": failed_step,
+                     "restart_s": restart_s, "redone_steps": 0,
+                     "weights_verified": weights.get("weights/verified")})
+        self._pending = {"recovery/count": float(self.count), "recovery/restart_s": restart_s,
+                         "recovery/redone_steps": 0.0, "recovery/stage_count": float(self.stage_count + 1)}
+        self.stage_count += 1
+
+    def _take_one(self, exc: BaseException, dead_actors: list[str]) -> bool:
         if not failure_is_recoverable(exc, dead_actors):
             return False
         if self.count >= self.max_restarts:
             log.error("not recovering: trainer.max_restarts=%d recoveries already used", self.max_restarts)
             return False
         self.count += 1
-        self._failed_at, self._failed_step = time.monotonic(), failed_step
+        return True
+
+    def _record_failure(self, kind: str, exc: BaseException, dead_actors: list[str], failed_step: int,
+                        action: str) -> None:
         where = _where(exc)
-        record = {"recovery": self.count, "time": time.time(), "failed_step": failed_step,
+        record = {"recovery": self.count, "kind": kind, "time": time.time(), "failed_step": failed_step,
                   "cause": getattr(exc, "cause", type(exc).__name__) or type(exc).__name__,
                   "where": where, "dead_actors": dead_actors}
         print(f"[raygraph] recovery {self.count}/{self.max_restarts}: step {failed_step} failed "
               f"({record['cause']}; {where}{'; dead: ' + ', '.join(dead_actors) if dead_actors else ''}); "
-              "rebuilding the roles and resuming from the newest checkpoint", flush=True)
+              f"{action}", flush=True)
         self._write(record)
-        return True
 
     def resumed(self, checkpoint_step: int) -> None:
         """The roles are back and the checkpoint is loaded: record how long it took."""
@@ -86,7 +119,7 @@ class Recoveries:
         redone = max(0, self._failed_step - checkpoint_step - 1)
         print(f"[raygraph] recovery {self.count}: training again after {restart_s:.1f}s from checkpoint step "
               f"{checkpoint_step} ({redone} finished steps to redo)", flush=True)
-        self._write({"recovery": self.count, "time": time.time(), "resumed_from": checkpoint_step,
+        self._write({"recovery": self.count, "kind": "run", "time": time.time(), "resumed_from": checkpoint_step,
                      "restart_s": restart_s, "redone_steps": redone})
         self._pending = {"recovery/count": float(self.count), "recovery/restart_s": restart_s,
                          "recovery/redone_steps": float(redone)}

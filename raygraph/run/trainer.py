@@ -32,6 +32,7 @@ from raygraph.run.recovery import Recoveries
 from raygraph.run.role_specs import colocation, pools_for, role_specs
 from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import prepare_run, start_ray
+from raygraph.run.stage_recovery import StageRunner
 from raygraph.run.stopping import RunStopped, StopFlag
 from raygraph.run.tracking import Tracker
 from raygraph.run.validation import run_validation
@@ -102,7 +103,7 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
                         bucket_bytes=cfg.placement.weight_bucket_mb << 20,
                         weight_sync_verify=cfg.placement.weight_sync_verify, plugins=cfg.plugins)
-    tracker = executor = None
+    tracker = runner = None
     status, steps_done, stopped = "FAILED", 0, False
     kl_cfg = cfg.algorithm.kl_in_reward
     kl_ctl = make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon)
@@ -122,8 +123,11 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
         # profile: interpreted and unfused, so that every stage is a Ray task in the timeline (a
         # compiled graph runs as one long task per actor, a fused plan as one task per step)
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
-        executor = Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile,
-                            timeout_s=cfg.trainer.step_timeout_s)
+        runner = StageRunner(  # restarts a dead rollout/reward actor alone and reruns its step
+            lambda: Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile,
+                             timeout_s=cfg.trainer.step_timeout_s), roles, specs, recoveries, ctx.run_dir,
+            enabled=mode == "interpreted" and cfg.trainer.max_restarts > 0,
+            timeout_s=cfg.placement.weight_sync_timeout_s + 10, placement_timeout_s=cfg.placement.placement_timeout_s)
         lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
         dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
 
@@ -146,7 +150,7 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
             consistent = None  # from here the sampler, then the roles, move on to this step
             prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
             prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
-            metrics = merge_outputs(executor.run(prompts))
+            metrics = merge_outputs(runner.run(prompts, step=step, version=version))
             ledger.trained(step, prompts[UID])
             metrics.update(recoveries.take_metrics())
             records = metrics.pop(whole_batch.RECORDS, None)
@@ -185,8 +189,8 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
     finally:
         if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
             ray.timeline(filename=str(ctx.run_dir / "timeline.json"))
-        if executor is not None:
-            executor.teardown()
+        if runner is not None:
+            runner.teardown()
         roles.shutdown()
         if tracker is not None:
             tracker.close(status)

@@ -109,7 +109,6 @@ def reference(tmp_path_factory, tiny_model_path, toy_data, ray_local):
 @pytest.mark.parametrize("layout, victim", [
     ("colocated", "policy+rollout"),        # the policy, rollout and reward process of rank 0
     ("disaggregated_2_ranks", "policy"),    # a policy rank of the 2-rank FSDP group (rank 0 by name order)
-    ("disaggregated_2_ranks", "rollout"),   # the rollout (+ reward) process
     ("colocated", "coordinator"),           # the actor that runs whole-batch steps
 ])
 def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_path, toy_data, ray_local,
@@ -139,6 +138,60 @@ def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_pa
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))   # each step once
     assert any(m.get("recovery/count") == 1.0 for m in metrics)
+
+
+SELF_KILLING_REWARD = '''
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
+
+
+def die_in_step_3(response_text, ground_truth, extra_info):
+    """Scores like toy_arith; the first call after step 2 is in the ledger kills its own process
+    (the rollout+reward actor) with SIGKILL, in the middle of step 3's reward stage."""
+    if not MARKER.exists() and LEDGER.is_file() and '"step": 2' in LEDGER.read_text():
+        MARKER.write_text(json.dumps({{"killed_at": time.time(), "pid": os.getpid()}}))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(response_text.strip() == str(ground_truth))
+'''
+
+
+def test_a_killed_rollout_actor_is_restarted_alone_and_its_step_rerun(tmp_path, tiny_model_path, toy_data,
+                                                                      ray_local, reference):
+    """Stage-level recovery: the rollout+reward process (stateless) dies inside step 3; only it is
+    started again, gets the policy's weights and the step's sampling RNG, and step 3 runs again
+    with no checkpoint loaded; the result equals the uninterrupted run bit for bit."""
+    from raygraph.run.trainer import run
+
+    run_dir = tmp_path / "grpo_toy" / "stage"
+    plugin, marker = tmp_path / "self_killing_reward.py", tmp_path / "killed.json"
+    plugin.write_text(SELF_KILLING_REWARD.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "stage", *LAYOUTS["disaggregated_2_ranks"],
+               f"reward.function={plugin}:die_in_step_3")
+    assert run_dir == tmp_path / cfg.experiment / "stage"
+    summary = run(cfg)
+    assert marker.is_file() and summary.steps_done == STEPS
+
+    failure, done = _recoveries(run_dir)
+    assert failure["kind"] == done["kind"] == "stage" and failure["failed_step"] == done["rerun_step"] == 3
+    assert failure["dead_actors"] == [f"{cfg.experiment}/stage/rollout+reward/0"] and done["weights_verified"] == 1.0
+    killed_at = json.loads(marker.read_text())["killed_at"]
+    print(f"\n[chaos] stage-level: failure detected {failure['time'] - killed_at:.2f}s after kill -9, "
+          f"step 3 running again {done['restart_s']:.1f}s after detection")
+    assert failure["time"] - killed_at < 10
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [r for r in ledger if "resume_from" in r] == [{"resume_from": 0, "reason": "start"}]  # no reload
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
+    assert final.keys() == ref.keys()
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert metrics[2].get("recovery/stage_count") == 1.0
 
 
 HANGING_REWARD = '''
