@@ -98,7 +98,8 @@ class CriticWorker:
 
         Returns:
             `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`,
-            `critic/skipped_steps` (global over ranks).
+            `critic/skipped_steps` (global over ranks), `critic/empty_updates` (1: no rank had a
+            row, so no optimizer step was made).
         """
         needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, VALUES, RETURNS]
         missing = [c for c in needed if c not in batch]

@@ -23,7 +23,7 @@ from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
 
 METRICS = {"actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/clipfrac_lower", "actor/approx_kl", "actor/entropy",
-           "actor/kl_loss", "actor/lr", "actor/skipped_steps", "actor/optimizer_steps"}
+           "actor/kl_loss", "actor/lr", "actor/skipped_steps", "actor/optimizer_steps", "actor/empty_updates"}
 
 
 def _policy(path, **kw) -> PolicyWorker:

@@ -25,7 +25,8 @@ def test_critic_values_update_and_checkpoint(tiny_model_path, rollout_batch, tmp
     train = batch.with_columns(**{VALUES: values, RETURNS: returns})
     metrics = critic.update(train)
     assert set(metrics) == {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr",
-                            "critic/skipped_steps", "critic/optimizer_steps"}
+                            "critic/skipped_steps", "critic/optimizer_steps", "critic/empty_updates"}
+    assert metrics["critic/empty_updates"] == 0
     assert metrics["critic/vf_loss"] > 0
     moved = critic.values(batch)[VALUES] - values
     assert (moved[batch[RESPONSE_MASK] == 1] > 0).float().mean() > 0.8  # values moved towards the returns
