@@ -178,6 +178,8 @@ class Batch:
         computed per micro-batch are narrower: `Batch.concat` (or `pad_right`) restores the width.
         Without `max_tokens`, or without the rollout layout, this is `split(max_rows)`.
         """
+        if len(self) == 0:
+            return []
         if max_tokens is None or PROMPT_MASK not in self or RESPONSE_MASK not in self:
             return self.split(max_rows)
         prompt_len = self[PROMPT_MASK].sum(-1).tolist()

@@ -57,7 +57,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
                                            "HF_HUB_OFFLINE": "1"}})
     yield ray

@@ -28,9 +28,10 @@ How this departs from the paper (all config, same file):
   log-probs recomputed by the trainer; `raygraph.graph.whole_batch.correct_rollouts`).
 - DAPO's options (Yu et al. 2025; `raygraph.graph.dapo`, all off by default):
   `algorithm.overlong_penalty` (soft length penalty), `algorithm.mask_truncated` (cut responses
-  leave the loss), `algorithm.dynamic_sampling` (groups whose accuracy does not vary are dropped
-  and the step trains on the rest; unlike the paper, no further prompts are sampled to refill the
-  batch, so it shrinks, and an empty one makes no optimizer step).
+  leave the loss), `algorithm.dynamic_sampling` (groups whose accuracy does not vary are dropped;
+  up to `max_extra_rounds` more rounds generate from the next prompts of the data order until
+  `data.prompts_per_step` groups are kept, as in the paper but with a bound; a batch still short
+  after them trains as it is, and an empty one makes no optimizer step).
 - Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
   policy before the update (`old_logprobs`) and each token's advantage is weighted by
   `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
@@ -55,7 +56,7 @@ def build(roles, cfg):
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate", prompts)
         scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
-        scored, shaping = shape_rollouts(roles, cfg, scored)   # DAPO options: the batch may shrink
+        scored, shaping = shape_rollouts(roles, cfg, scored, prompts)   # DAPO options: the batch may change size
         batch = roles.apply(
             whole_batch.compute_advantages, scored, prompts,
             estimator=cfg.algorithm.advantage, old_from_rollout=cfg.old_logprobs_source == "rollout",

@@ -109,6 +109,11 @@ def _dapo(cfg: RaygraphConfig) -> list[str]:
     if algo.dynamic_sampling.enabled and cfg.rollout.n < 2:
         problems.append(f"algorithm.dynamic_sampling keeps groups whose samples differ, so rollout.n must be at "
                         f"least 2 (got {cfg.rollout.n}); every group of one sample would be dropped")
+    if cfg.spare_prompt_batches and cfg.placement.max_staleness:
+        problems.append(f"algorithm.dynamic_sampling.max_extra_rounds={algo.dynamic_sampling.max_extra_rounds} "
+                        f"generates extra rounds with the current weights, which asynchronous pipelining "
+                        f"(placement.max_staleness={cfg.placement.max_staleness}) does not; set max_extra_rounds=0 "
+                        "(filter only) or placement.max_staleness=0")
     if algo.overlong_penalty.buffer >= cfg.rollout.max_new_tokens:
         problems.append(f"algorithm.overlong_penalty.buffer={algo.overlong_penalty.buffer} must be below "
                         f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty starts that many "

@@ -338,6 +338,13 @@ class RaygraphConfig(Section):
         return self.data.prompts_per_step * self.rollout.n
 
     @property
+    def spare_prompt_batches(self) -> int:
+        """Prompt batches the driver attaches to each step beyond the first: DAPO dynamic
+        sampling's extra generation rounds (`raygraph.graph.dapo.refill_prompts`), else 0."""
+        sampling = self.algorithm.dynamic_sampling
+        return sampling.max_extra_rounds if sampling.enabled else 0
+
+    @property
     def advantage_estimator(self) -> str | None:
         """algorithm.advantage; the config loader sets it to the workflow's default when unset,
         and it stays None for a workflow that computes no advantages (sft, dpo)."""

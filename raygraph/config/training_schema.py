@@ -191,12 +191,18 @@ class RolloutCorrectionConfig(Section):
 
 class DynamicSamplingConfig(Section):
     enabled: bool = Field(False, description="DAPO dynamic sampling's filter (grpo workflow): after scoring, drop "
-                                             "the groups whose samples all have the same `metric`; the update "
-                                             "trains on the rest (the batch shrinks, possibly to nothing: then "
+                                             "the groups whose samples all have the same `metric`, generate more "
+                                             "(max_extra_rounds) until the batch is full; the update trains on "
+                                             "what was kept (a batch still short shrinks, possibly to nothing: then "
                                              "no optimizer step, counted in actor/empty_updates). Metrics: "
                                              "rollout/groups_total, rollout/groups_kept, rollout/groups_filtered.")
     metric: str = Field("acc", description="What must vary within a group: a reward extra (`acc`, raw accuracy, "
                                            "the default) or `score` (the summed token-level score).")
+    max_extra_rounds: int = Field(2, ge=0, le=16, description="Extra generation rounds per step while fewer than "
+                                  "data.prompts_per_step groups are kept: each generates from the next "
+                                  "prompts_per_step prompts of the data order (0 = filter only). Prompts of "
+                                  "rounds a step did not need stay in the data order for the next step. "
+                                  "Metrics: rollout/gen_rounds, reward/sampled_mean.")
 
 
 class OverlongPenaltyConfig(Section):

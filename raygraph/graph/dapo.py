@@ -5,8 +5,15 @@ at Scale"), as whole-batch functions a workflow places with `roles.apply(fn, bat
 - `mask_truncated`: responses cut at the length limit leave the loss (overlong filtering).
 - `filter_groups`: dynamic sampling's filter; groups whose accuracy (or score) is the same in
   every sample have zero group-relative advantage and only dilute the loss normaliser.
+- `refill_prompts`, `add_round`: dynamic sampling's extra generation rounds. The driver attaches
+  the next prompt batches of the data order to the step's prompts (`meta[SPARE_PROMPTS]`); round
+  k generates from the k-th of them only while fewer than `target` groups are kept (otherwise it
+  is an empty batch, which every role passes through at no cost), and `add_round` keeps the
+  informative groups of each round until the batch is full. `meta["gen_rounds"]` (metric
+  `rollout/gen_rounds`) tells the driver how many prompt batches the step used; the rest go
+  back to the data order (`raygraph.run.feed.StepData.settle`).
 
-After `filter_groups` the batch may be smaller than the step's, or empty: the policy update
+After the filter the batch may be smaller than the step's, or empty: the policy update
 splits whatever is left over the training ranks and skips an empty step (`_train.run_minibatches`).
 Pure functions of a `Batch`: no Ray, no config.
 """
@@ -24,7 +31,11 @@ from raygraph.batch import (
     Batch,
 )
 
-__all__ = ["overlong_penalty", "mask_truncated", "filter_groups", "group_values", "shaping_metrics"]
+__all__ = ["SPARE_PROMPTS", "ROUNDS_METRIC", "overlong_penalty", "mask_truncated", "filter_groups", "group_values",
+           "refill_prompts", "add_round", "shaping_metrics"]
+
+SPARE_PROMPTS = "spare_prompts"        # prompts.meta: the prompt batches of the extra rounds, in data order
+ROUNDS_METRIC = "rollout/gen_rounds"   # prompt batches (rounds) a step generated from, the first included
 
 
 def _lengths(batch: Batch) -> torch.Tensor:
@@ -103,19 +114,65 @@ def filter_groups(batch: Batch, *, metric: str = "acc", max_groups: int | None =
     informative = [uid for uid, (lo, hi) in spread.items() if hi > lo]
     keep = set(informative[:max_groups] if max_groups is not None else informative)
     out = batch.select(torch.tensor([uid in keep for uid in uids], dtype=torch.bool))
-    out.meta.update(groups_total=len(spread), groups_kept=len(keep))
+    out.meta.update(groups_total=len(spread), groups_kept=len(keep), gen_rounds=1,
+                    sampled_rows=len(batch), sampled_score=float(batch[TOKEN_LEVEL_SCORES].float().sum()))
     return out
+
+
+def refill_prompts(prompts: Batch, kept: Batch, *, round: int, target: int) -> Batch:
+    """The prompts extra round `round` (1, 2, ...) generates from: the round-th spare batch while
+    `kept` holds fewer than `target` groups, else none of it (an empty batch: nothing is generated).
+
+    Args:
+        prompts: the step's prompts; `meta[SPARE_PROMPTS]` the spare batches (the driver's).
+        kept: the groups kept so far (`filter_groups` / `add_round` output).
+    """
+    spares = prompts.meta.get(SPARE_PROMPTS) or []
+    if round > len(spares):
+        raise ValueError(f"dynamic sampling round {round} has no prompts: the driver attached {len(spares)} spare "
+                         "batches (algorithm.dynamic_sampling.max_extra_rounds)")
+    spare = spares[round - 1]
+    meta = {k: v for k, v in prompts.meta.items() if k != SPARE_PROMPTS}
+    wanted = spare if kept.meta["groups_kept"] < target else spare.select(slice(0, 0))
+    return Batch(dict(wanted.tensors), dict(wanted.non_tensors), meta)
+
+
+def add_round(kept: Batch, scored: Batch, *, metric: str = "acc", target: int) -> Batch:
+    """`kept` plus the informative groups of one extra round's scored rollouts, at most `target`
+    groups in all (DAPO keeps sampling until the batch is full, then trims it to the batch size).
+
+    A round that was not needed (`scored` has no rows) changes nothing. The shaping counts in
+    `meta` add up over the rounds (`shaping_metrics`).
+    """
+    if len(scored) == 0:
+        return kept
+    more = filter_groups(scored, metric=metric, max_groups=max(target - kept.meta["groups_kept"], 0))
+    meta = dict(kept.meta)
+    for key in ("groups_total", "groups_kept", "gen_rounds", "sampled_rows", "sampled_score"):
+        meta[key] = kept.meta[key] + more.meta[key]
+    if "truncated_rows" in kept.meta:
+        meta["truncated_rows"] = kept.meta["truncated_rows"] + scored.meta.get("truncated_rows", 0)
+    if "overlong_penalty" in kept.meta:   # a mean over the rows sampled so far
+        before = kept.meta["sampled_rows"]
+        meta["overlong_penalty"] = ((kept.meta["overlong_penalty"] * before + scored.meta["overlong_penalty"]
+                                     * len(scored)) / (before + len(scored)))
+    rows = Batch.concat([kept, more]) if len(kept) else more
+    return Batch(dict(rows.tensors), dict(rows.non_tensors), meta)
 
 
 def shaping_metrics(batch: Batch) -> dict[str, float]:
     """What the shaping did this step, from the `meta` the functions above leave on the batch:
     `rollout/groups_total`, `rollout/groups_kept`, `rollout/groups_filtered`,
-    `rollout/truncated_rows`, `reward/overlong_penalty_mean` (each only when its step ran)."""
+    `rollout/truncated_rows`, `reward/overlong_penalty_mean` (each only when its step ran); with
+    the filter also `rollout/gen_rounds` and `reward/sampled_mean` (the mean summed score of every
+    row generated, kept or not: the kept rows' `reward/mean` leans towards the groups that vary)."""
     meta, out = batch.meta, {}
     if "groups_total" in meta:
         out.update({"rollout/groups_total": float(meta["groups_total"]),
                     "rollout/groups_kept": float(meta["groups_kept"]),
-                    "rollout/groups_filtered": float(meta["groups_total"] - meta["groups_kept"])})
+                    "rollout/groups_filtered": float(meta["groups_total"] - meta["groups_kept"]),
+                    ROUNDS_METRIC: float(meta["gen_rounds"]),
+                    "reward/sampled_mean": meta["sampled_score"] / max(meta["sampled_rows"], 1)})
     if "truncated_rows" in meta:
         out["rollout/truncated_rows"] = float(meta["truncated_rows"])
     if "overlong_penalty" in meta:

@@ -25,15 +25,37 @@ def rollout_columns(roles, cfg, rollouts) -> list:
     return parts
 
 
-def shape_rollouts(roles, cfg, scored):
+def shape_rollouts(roles, cfg, scored, prompts=None):
     """DAPO's shaping of the scored rollouts, each step only when configured (`raygraph.graph.dapo`):
     the overlong penalty (`algorithm.overlong_penalty.buffer` > 0), the truncation mask
     (`algorithm.mask_truncated`), then the group filter (`algorithm.dynamic_sampling.enabled`),
-    after which the batch may be smaller than the step's, or empty.
+    after which the batch may be smaller than the step's, or empty. With
+    `dynamic_sampling.max_extra_rounds` > 0 (needs `prompts`, the step's InputNode), up to that
+    many more rounds generate from the next prompt batches and are scored and shaped the same
+    way until `data.prompts_per_step` groups are kept (`dapo.refill_prompts`, `dapo.add_round`).
 
     Returns:
         `(batch node, [metric nodes])`; no nodes at all when nothing is configured.
     """
+    sampling = cfg.algorithm.dynamic_sampling
+    batch = _penalise(roles, cfg, scored)
+    if sampling.enabled:
+        target = cfg.data.prompts_per_step
+        batch = roles.apply(dapo.filter_groups, batch, metric=sampling.metric, max_groups=target)
+        for k in range(1, sampling.max_extra_rounds + 1):
+            if prompts is None:
+                raise ValueError("dynamic_sampling.max_extra_rounds > 0: shape_rollouts needs the step's prompts")
+            more = roles.rollout.bind("generate", roles.apply(dapo.refill_prompts, prompts, batch, round=k,
+                                                              target=target))
+            more = _penalise(roles, cfg, roles.gather(more, *rollout_columns(roles, cfg, more)))
+            batch = roles.apply(dapo.add_round, batch, more, metric=sampling.metric, target=target)
+    if batch is scored:
+        return scored, []
+    return batch, [roles.apply(dapo.shaping_metrics, batch)]
+
+
+def _penalise(roles, cfg, scored):
+    """The overlong penalty and the truncation mask, when configured (else `scored` itself)."""
     algo, max_len = cfg.algorithm, cfg.rollout.max_new_tokens
     batch = scored
     if algo.overlong_penalty.buffer:
@@ -41,11 +63,7 @@ def shape_rollouts(roles, cfg, scored):
                             factor=algo.overlong_penalty.factor)
     if algo.mask_truncated:
         batch = roles.apply(dapo.mask_truncated, batch, max_len=max_len)
-    if algo.dynamic_sampling.enabled:
-        batch = roles.apply(dapo.filter_groups, batch, metric=algo.dynamic_sampling.metric)
-    if batch is scored:
-        return scored, []
-    return batch, [roles.apply(dapo.shaping_metrics, batch)]
+    return batch
 
 
 def reference_logprobs(roles, cfg, batch):

@@ -18,7 +18,6 @@ import ray
 
 from raygraph.algos.kl_control import make_kl_controller
 from raygraph.algos.user_code import import_plugins
-from raygraph.batch import UID
 from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.graph import whole_batch
@@ -148,10 +147,11 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
                 break
             t0 = time.perf_counter()
             consistent = None  # from here the sampler, then the roles, move on to this step
-            prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead)
+            prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead,
+                                        spares=cfg.spare_prompt_batches)
             prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
             metrics = merge_outputs(runner.run(prompts, step=step, version=version))
-            ledger.trained(step, prompts[UID])
+            ledger.trained(step, data.settle(prompts, metrics))
             metrics.update(recoveries.take_metrics())
             records = metrics.pop(whole_batch.RECORDS, None)
             if records is not None:

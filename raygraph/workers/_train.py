@@ -28,7 +28,7 @@ from torch import nn
 
 from raygraph.algos import losses
 from raygraph.batch import Batch
-from raygraph.workers.distributed import all_reduce, full_tensor, lockstep, rank, world_size
+from raygraph.workers.distributed import all_reduce, dummy_row, full_tensor, lockstep, rank, world_size
 from raygraph.workers.safe_load import CheckpointError, dcp_load
 
 __all__ = [
@@ -167,7 +167,7 @@ def run_minibatches(
     for _ in range(epochs):
         for mini, _dummy in lockstep(batch.split(mini_size), lambda: batch.select(slice(0, 0))):
             micros = lockstep(mini.micro_batches(micro_batch_size, max_tokens_per_micro_batch) if len(mini) else [],
-                              lambda: _dummy_row(batch))
+                              lambda: dummy_row(batch))
             masks = [m[mask_key] for m, is_dummy in micros if not is_dummy]
             totals = all_reduce(torch.tensor([sum(losses.normaliser(loss_agg, m) or 0.0 for m in masks),
                                               sum(float(m.sum()) for m in masks)], dtype=torch.float64))
@@ -192,18 +192,6 @@ def run_minibatches(
             norms.append(norm)
             skipped.append(was_skipped)
     return _summarise(step_values, norms, skipped) | {"lr": lr, "empty_updates": 0.0}
-
-
-def _dummy_row(batch: Batch) -> Batch:
-    """One row to run with weight 0 where this rank's shard is shorter than another's (FSDP's
-    collectives must match): a real row when the shard has one, else a neutral row built from the
-    columns' shapes (a rank left with no rows by a filtered batch), with every `*mask` column 1 so
-    that no attention row is fully masked (some kernels give NaN there, and NaN * 0 is NaN)."""
-    if len(batch):
-        return batch.select(slice(0, 1))
-    tensors = {name: (torch.ones if name.endswith("mask") else torch.zeros)((1, *t.shape[1:]), dtype=t.dtype)
-               for name, t in batch.tensors.items()}
-    return Batch(tensors, {name: np.resize(v, 1) for name, v in batch.non_tensors.items()}, dict(batch.meta))
 
 
 def _summarise(step_values: list[dict[str, float]], norms: list[float], skipped: list[bool]) -> dict[str, float]:

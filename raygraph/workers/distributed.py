@@ -12,12 +12,15 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from raygraph.batch import Batch
+
 __all__ = [
-    "all_reduce", "default_device", "find_free_port", "fsdp_wrap", "full_tensor",
+    "all_reduce", "default_device", "dummy_row", "find_free_port", "fsdp_wrap", "full_tensor",
     "init_process_group_from_env", "is_distributed", "lockstep", "rank", "world_size",
 ]
 
@@ -90,6 +93,18 @@ def lockstep(items: Sequence[T], make_dummy: Callable[[], T]) -> list[tuple[T, b
     """
     count = int(all_reduce(torch.tensor([len(items)]), "max").item())
     return [(item, False) for item in items] + [(make_dummy(), True) for _ in range(count - len(items))]
+
+
+def dummy_row(batch: Batch) -> Batch:
+    """One row to run with weight 0 where this rank's shard is shorter than another's (FSDP's
+    collectives must match): a real row when the shard has one, else a neutral row built from the
+    columns' shapes (a rank left with no rows by a filtered batch), with every `*mask` column 1 so
+    that no attention row is fully masked (some kernels give NaN there, and NaN * 0 is NaN)."""
+    if len(batch):
+        return batch.select(slice(0, 1))
+    tensors = {name: (torch.ones if name.endswith("mask") else torch.zeros)((1, *t.shape[1:]), dtype=t.dtype)
+               for name, t in batch.tensors.items()}
+    return Batch(tensors, {name: np.resize(v, 1) for name, v in batch.non_tensors.items()}, dict(batch.meta))
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

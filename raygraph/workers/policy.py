@@ -44,7 +44,7 @@ from raygraph.models.logprobs import forward_response, token_logprobs_of_sequenc
 from raygraph.models.lora import LoraSpec
 from raygraph.workers import _train
 from raygraph.workers.adapter import PolicyAdapter
-from raygraph.workers.distributed import all_reduce, lockstep, rank
+from raygraph.workers.distributed import all_reduce, dummy_row, lockstep, rank
 from raygraph.workers.trained_model import TrainedModel
 
 __all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]
@@ -114,13 +114,15 @@ class PolicyWorker:
         logprobs, entropy = [], []
         micros = columns.micro_batches(self.micro_batch_size, self.trained.max_tokens_per_micro_batch)
         width = columns[RESPONSES].shape[1]
-        for micro, is_dummy in lockstep(micros, lambda: columns.select(slice(0, 1))):
+        for micro, is_dummy in lockstep(micros, lambda: dummy_row(columns)):
             with self.trained.compute():
                 lp, ent = forward_response(self.model, micro, temperature=self.temperature, with_entropy=True,
                                            packed=self.packed)
             if not is_dummy:
                 logprobs.append(pad_right(lp.float().cpu(), width))
                 entropy.append(pad_right(ent.float().cpu(), width))
+        if not logprobs:   # no rows here (an empty refill round, or a rank left without a share)
+            return Batch({OLD_LOGPROBS: torch.zeros(0, width), ENTROPY: torch.zeros(0, width)})
         return Batch({OLD_LOGPROBS: torch.cat(logprobs), ENTROPY: torch.cat(entropy)})
 
     @torch.no_grad()

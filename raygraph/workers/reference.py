@@ -15,7 +15,7 @@ import torch
 from raygraph.batch import PROMPT_IDS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK, RESPONSES, Batch, pad_right
 from raygraph.models.loading import load_causal_lm
 from raygraph.models.logprobs import forward_response, use_packed
-from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed, lockstep
+from raygraph.workers.distributed import default_device, dummy_row, fsdp_wrap, is_distributed, lockstep
 
 __all__ = ["ReferenceWorker"]
 
@@ -57,12 +57,12 @@ class ReferenceWorker:
         """`Batch[<column> (B, R)]`, float32 on CPU, 0 on padded positions."""
         columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
         micros = columns.micro_batches(self.micro_batch_size, self.max_tokens_per_micro_batch)
-        steps = lockstep(micros, lambda: columns.select(slice(0, 1))) if self.sharded else \
+        steps = lockstep(micros, lambda: dummy_row(columns)) if self.sharded else \
             [(micro, False) for micro in micros]
         width, logprobs = columns[RESPONSES].shape[1], []
         for micro, is_dummy in steps:
             lp, _ = forward_response(self.model, micro.tensors, temperature=self.temperature, packed=self.packed)
             if not is_dummy:
                 logprobs.append(pad_right(lp.float().cpu(), width))
-        empty = torch.zeros(0, width)   # a rank whose shard of a filtered batch is empty
+        empty = torch.zeros(0, width)   # no rows here (an empty refill round, or a rank without a share)
         return Batch({self.column: torch.cat(logprobs) if logprobs else empty})

@@ -28,18 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from raygraph.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
-    RESPONSE_LENGTH,
-    RESPONSE_MASK,
-    RESPONSE_TEXT,
-    RESPONSES,
-    ROLLOUT_LOGPROBS,
-    WEIGHT_VERSION,
     Batch,
     pad_right,
 )
@@ -48,6 +41,7 @@ from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_run
 from raygraph.models.lora import LoraSpec, apply_lora
 from raygraph.workers.distributed import default_device
 from raygraph.workers.prefetch import PrefetchedRollouts
+from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 
 __all__ = ["HFRolloutWorker", "filter_top_k_top_p"]
 
@@ -160,6 +154,8 @@ class HFRolloutWorker:
         """
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
+        if len(rows) == 0:
+            return no_rollouts(rows, self._weight_version)
         pieces = [self._sample(rows[PROMPT_IDS][i:i + self.micro_batch_size],
                                rows[PROMPT_MASK][i:i + self.micro_batch_size], greedy,
                                temperature or self.temperature)
@@ -169,16 +165,10 @@ class HFRolloutWorker:
         responses = torch.cat([pad_right(p[0], width, pad) for p in pieces])
         response_mask = torch.cat([pad_right(p[1], width, 0) for p in pieces])
         logprobs = torch.cat([pad_right(p[2], width, 0.0) for p in pieces])
-        lengths = response_mask.sum(-1)
-        texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(responses, lengths.tolist())],
+        lengths = response_mask.sum(-1).tolist()
+        texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(responses, lengths)],
                                             skip_special_tokens=True)
-        text_column = np.empty(len(texts), dtype=object)
-        text_column[:] = texts
-        return rows.with_columns(**{
-            RESPONSES: responses, RESPONSE_MASK: response_mask, RESPONSE_LENGTH: lengths,
-            ROLLOUT_LOGPROBS: logprobs, RESPONSE_TEXT: text_column,
-            WEIGHT_VERSION: torch.full((len(rows),), self._weight_version, dtype=torch.int64),
-        })
+        return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool,
                 temperature: float) -> tuple[Tensor, Tensor, Tensor]:

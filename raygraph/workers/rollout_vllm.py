@@ -40,24 +40,18 @@ import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from raygraph.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
-    RESPONSE_LENGTH,
-    RESPONSE_MASK,
-    RESPONSE_TEXT,
-    RESPONSES,
-    ROLLOUT_LOGPROBS,
-    WEIGHT_VERSION,
     Batch,
 )
 from raygraph.models.loading import load_tokenizer
 from raygraph.models.lora import LoraSpec
 from raygraph.workers import vllm_compat
 from raygraph.workers.prefetch import PrefetchedRollouts
+from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 from raygraph.workers.vllm_adapter import AdapterSlot
 
 __all__ = ["VLLMRolloutWorker"]
@@ -170,6 +164,8 @@ class VLLMRolloutWorker:
         """
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
+        if len(rows) == 0:
+            return no_rollouts(rows, self._weight_version)
         ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
         prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]  # left padding dropped
         longest = max(map(len, prompts))
@@ -195,15 +191,8 @@ class VLLMRolloutWorker:
             responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
             response_mask[i, :len(tokens)] = 1
             logprobs[i, :len(tokens)] = torch.tensor(token_logprobs, dtype=torch.float32)
-        lengths = response_mask.sum(-1)
         texts = self.tokenizer.batch_decode([tokens for tokens, _ in outputs], skip_special_tokens=True)
-        text_column = np.empty(len(texts), dtype=object)
-        text_column[:] = texts
-        return rows.with_columns(**{
-            RESPONSES: responses, RESPONSE_MASK: response_mask, RESPONSE_LENGTH: lengths,
-            ROLLOUT_LOGPROBS: logprobs, RESPONSE_TEXT: text_column,
-            WEIGHT_VERSION: torch.full((len(rows),), self._weight_version, dtype=torch.int64),
-        })
+        return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
 
     # ------------------------------------------------------------------------------ pipelining
     def prefetch(self, prompts: Batch) -> int:
