@@ -159,3 +159,42 @@ def test_the_dapo_filter_example_runs_as_a_user_file_on_two_ranks(tmp_path, monk
     for r in rows:   # the summed score varies in a group only where the toy reward does: kept <= 4
         assert r["rollout/groups_total"] == 4 and r["rollout/train_rows"] == 4 * r["rollout/groups_kept"]
         assert (r["actor/empty_updates"] == 1.0) == (r["rollout/groups_kept"] == 0)
+
+
+def test_every_role_method_passes_an_empty_batch_through(tiny_model_path, tiny_rm_path, rollout_batch):
+    """An unneeded refill round sends every role a batch with no rows: each returns its columns
+    with no rows, so that the gather and the round's shaping see an ordinary (empty) batch."""
+    from raygraph.batch import (
+        ENTROPY,
+        GROUND_TRUTH,
+        OLD_LOGPROBS,
+        PROMPT_IDS,
+        PROMPT_MASK,
+        REF_LOGPROBS,
+        RESPONSE_MASK,
+        RESPONSES,
+        VALUES,
+    )
+    from raygraph.workers.critic import CriticWorker
+    from raygraph.workers.policy import PolicyWorker
+    from raygraph.workers.reference import ReferenceWorker
+    from raygraph.workers.reward_model import RewardModelWorker
+    from raygraph.workers.reward_rule import RuleRewardWorker
+    from raygraph.workers.rollout_hf import HFRolloutWorker
+
+    prompts = rollout_batch(2, seed=0).select_columns([PROMPT_IDS, PROMPT_MASK]).with_columns(**{
+        GROUND_TRUTH: np.array(["1", "2"], dtype=object), UID: np.array(["a", "b"], dtype=object)}).select(slice(0, 0))
+    rollouts = HFRolloutWorker(model_path=tiny_model_path, n=2, max_new_tokens=4).generate(prompts)
+    assert len(rollouts) == 0 and {RESPONSES, RESPONSE_MASK, "rollout_logprobs", "response_text"} <= set(
+        rollouts.columns())
+    scored = Batch.concat([rollouts.union(RuleRewardWorker(tokenizer_path=tiny_model_path, function="toy_arith")
+                                          .score(rollouts))])
+    assert len(scored) == 0 and TOKEN_LEVEL_SCORES in scored
+    outputs = {OLD_LOGPROBS: PolicyWorker(model_path=tiny_model_path, lr=1e-3).logprobs(rollouts),
+               REF_LOGPROBS: ReferenceWorker(model_path=tiny_model_path).logprobs(rollouts),
+               VALUES: CriticWorker(model_path=tiny_model_path, lr=1e-3).values(rollouts),
+               TOKEN_LEVEL_SCORES: RewardModelWorker(model_path=tiny_rm_path,
+                                                     policy_tokenizer_path=tiny_model_path).score(rollouts)}
+    for column, out in outputs.items():
+        assert column in out and len(out) == 0, column
+    assert ENTROPY in outputs[OLD_LOGPROBS]

@@ -26,7 +26,7 @@ from raygraph.batch import (
 from raygraph.models.logprobs import sequence_inputs
 from raygraph.models.value_head import ValueModel
 from raygraph.workers import _train
-from raygraph.workers.distributed import lockstep, rank
+from raygraph.workers.distributed import dummy_row, lockstep, rank
 from raygraph.workers.trained_model import TrainedModel
 
 __all__ = ["CriticWorker"]
@@ -82,8 +82,8 @@ class CriticWorker:
         micros = columns.micro_batches(self.micro_batch_size, self.trained.max_tokens_per_micro_batch)
         width = columns[RESPONSES].shape[1]
         out = [pad_right(self._forward(micro).cpu(), width) for micro, is_dummy in
-               lockstep(micros, lambda: columns.select(slice(0, 1))) if not is_dummy]
-        return Batch({VALUES: torch.cat(out)})
+               lockstep(micros, lambda: dummy_row(columns)) if not is_dummy]
+        return Batch({VALUES: torch.cat(out) if out else torch.zeros(0, width)})
 
     def _value_loss(self, micro: Batch) -> _train.MicroResult:
         values = self._forward(micro)

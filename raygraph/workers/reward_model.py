@@ -76,7 +76,7 @@ class RewardModelWorker:
     def score(self, batch: Batch) -> Batch:
         """`Batch[token_level_scores (B, R)]`: the score on each row's last response token."""
         seqs = self._sequences(batch)
-        scores = torch.cat([self._score(seqs[i:i + self.micro_batch_size]).cpu()
-                            for i in range(0, len(seqs), self.micro_batch_size)])
-        return reward_batch(scores.tolist(), {}, batch[RESPONSE_MASK], source=f"reward model {self.model_path}",
+        scores = [self._score(seqs[i:i + self.micro_batch_size]).cpu()
+                  for i in range(0, len(seqs), self.micro_batch_size)]
+        return reward_batch(torch.cat(scores).tolist() if scores else [], {}, batch[RESPONSE_MASK], source=f"reward model {self.model_path}",
                             uids=list(batch[UID]) if UID in batch else None, on_non_finite=self.on_non_finite)

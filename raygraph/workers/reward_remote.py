@@ -99,6 +99,9 @@ class RemoteRewardWorker:
         """POST the batch and return `token_level_scores` (B, R) and `reward_extra.<name>` (B,)."""
         mask = batch[RESPONSE_MASK]
         n = len(batch)
+        if n == 0:   # nothing to score (e.g. an unneeded DAPO refill round): no request
+            return reward_batch([], {}, mask, source=f"reward service {self.url}", uids=[],
+                                on_non_finite=self.on_non_finite)
         payload = {
             "prompts": self._prompts(batch),
             "responses": decode_responses(self.tokenizer, batch[RESPONSES], mask),

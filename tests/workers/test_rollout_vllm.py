@@ -86,6 +86,8 @@ def test_generate_has_the_hf_workers_columns_layout_and_stop_handling(worker, mo
     assert {k: v.dtype for k, v in out.tensors.items()} == {k: v.dtype for k, v in hf.tensors.items()}
     assert list(out[UID]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
     assert torch.equal(out[PROMPT_IDS], prompts[PROMPT_IDS].repeat_interleave(2, 0))
+    none = worker.generate(prompts.select(slice(0, 0)))   # an unneeded DAPO refill round
+    assert len(none) == 0 and set(none.columns()) == set(hf.columns())
 
     mask, lengths, responses = out[RESPONSE_MASK], out[RESPONSE_LENGTH], out[RESPONSES]
     width = responses.shape[1]
