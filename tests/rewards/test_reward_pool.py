@@ -169,9 +169,11 @@ def doc_blocks() -> dict[str, str]:
     return dict(re.findall(r"```(?:python|yaml)\n# (\S+?\.(?:py|yaml))\b.*?\n(.*?)```", text, re.S))
 
 
-def test_a_run_logs_each_weighted_function(tmp_path, monkeypatch, tiny_model_path, ray_local):
-    """`raygraph train` on the toy config with the doc's two weighted functions, scored in a pool:
-    metrics.jsonl has each function's mean, and the total is their weighted sum."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_run_logs_each_weighted_function(world, tmp_path, monkeypatch, tiny_model_path, ray_local):
+    """`raygraph train` on the toy config with the doc's two weighted functions, scored in a pool
+    (on 1 rank, and with 2 training and 2 rollout ranks): metrics.jsonl has each function's mean,
+    and the total is their weighted sum."""
     import json
 
     from raygraph.config import build_config
@@ -185,7 +187,7 @@ def test_a_run_logs_each_weighted_function(tmp_path, monkeypatch, tiny_model_pat
         "model.path": tiny_model_path, "model.build_tiny": "false", "data.train_files": "[data/train.parquet]",
         "data.val_files": "[data/val.parquet]", "data.prompts_per_step": 2, "data.val_prompts": 2,
         "trainer.output_dir": "runs", "trainer.total_steps": 2, "logging.mlflow": "false",
-        "checkpoint.save_hf": "false",
+        "checkpoint.save_hf": "false", "placement.train_workers": world, "placement.rollout_workers": world,
     }
     cfg = build_config(data, [f"{k}={v}" for k, v in overrides.items()])
     assert cfg.reward.workers == 2 and cfg.reward.functions[1].weight == 0.2
