@@ -48,7 +48,7 @@ from pathlib import Path
 
 SIZES = ("25m", "tiny")
 STEP_TIME = Path(__file__).with_name("step_time.py")
-TRAIN_FILE = "runs/data/toy/train.parquet"   # written by `raygraph train configs/demo.yaml` (ensure_assets)
+TRAIN_FILE = "runs/data/demo/train.parquet"   # written by `raygraph train configs/demo.yaml` (ensure_assets)
 LR = 1e-6
 
 

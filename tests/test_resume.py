@@ -156,3 +156,19 @@ def test_a_role_that_cannot_load_its_part_is_one_checkpoint_error(tmp_path):
     plan = resume.ResumePlan(tmp_path / "step_4", {"step": 4}, {})
     with pytest.raises(checkpoint.CheckpointError, match=r"cannot load .*step_4: .*extra_rank0.safetensors is missing"):
         resume.restore(plan, _PolicyOnly(), None, None, seed=0)
+
+
+def test_toy_data_written_with_other_settings_is_refused_not_used(tmp_path):
+    """Before: `make demo` after a grpo_toy run trained on grpo_toy's 60 problems (same folder)."""
+    from raygraph.run.setup import ensure_assets
+
+    data = tmp_path / "data"
+    files = [f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]"]
+    small = load_config(TOY, [f"trainer.output_dir={tmp_path}", "model.build_tiny=false", *files])
+    ensure_assets(small)
+    assert json.loads((data / "toy.json").read_text())["n_train"] == 60
+    ensure_assets(small)   # the same settings: the files are used as they are
+    larger = load_config(TOY, [f"trainer.output_dir={tmp_path}", "model.build_tiny=false", "data.toy.n_train=80",
+                               *files])
+    with pytest.raises(ValueError, match=r"holds toy data written with data.toy=.*'n_train': 60.*delete"):
+        ensure_assets(larger)

@@ -96,17 +96,32 @@ def ensure_assets(cfg) -> None:
                              f"or delete that directory")
     toy = cfg.data.toy
     files = [*cfg.data.train_files, *cfg.data.val_files]
-    if toy is not None and not all(Path(f).is_file() for f in files):
-        out_dir = Path(cfg.data.train_files[0]).parent
-        log.info("writing toy dataset to %s", out_dir)
-        if toy.task == "word_problems":
-            write_word_problems(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed)
-        else:
-            write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
+    if toy is not None:
+        _ensure_toy_data(toy, Path(cfg.data.train_files[0]).parent, files)
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"data files not found: {', '.join(missing)} "
                                 f"(make toy data with `raygraph data toy --out DIR`)")
+
+
+def _ensure_toy_data(toy, out_dir: Path, files: list[str]) -> None:
+    """Write the toy data (data.toy) unless its files exist; files written with other data.toy
+    settings (another config sharing the folder) are refused, never used in their place.
+    `toy.json` in the folder records the settings they were written with."""
+    stamp, wanted = out_dir / "toy.json", toy.model_dump(mode="json")
+    if all(Path(f).is_file() for f in files):
+        written = json.loads(stamp.read_text()) if stamp.is_file() else None
+        if written is not None and written != wanted:
+            raise ValueError(f"{out_dir} holds toy data written with data.toy={written}, not this config's "
+                             f"data.toy={wanted}: point data.train_files/val_files at another folder, or "
+                             f"delete {out_dir} to write it again")
+        return
+    log.info("writing toy dataset to %s", out_dir)
+    if toy.task == "word_problems":
+        write_word_problems(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed)
+    else:
+        write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
+    stamp.write_text(json.dumps(wanted, indent=1))
 
 
 def quiet_progress_bars() -> None:
