@@ -20,7 +20,8 @@ torch.set_num_threads(1)
 FIRST_CHAR_ID, VOCAB = 6, 93  # ids of the tiny tokenizer's ordinary characters
 
 
-_OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py")   # tests that start a Ray cluster of their own
+_OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py",   # tests that start a Ray cluster of their own
+            "tests/cluster/test_node_loss.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -163,8 +163,9 @@ class Roles:
 
     def dead_actors(self, timeout_s: float = 3.0) -> list[str]:
         """Names of the run's actors that are dead (a ping fails with an actor error). A busy or
-        hung actor is not dead: its ping just does not answer within `timeout_s`."""
-        from ray.exceptions import RayActorError
+        hung actor is not dead: its ping just does not answer within `timeout_s`; nor is one Ray
+        calls unavailable (unreachable, e.g. on a node whose death Ray has not declared yet)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         names = {group.actors[r]._actor_id: site.actor_name
                  for group in self.groups.values() for r, site in enumerate(group.sites)}
@@ -175,6 +176,8 @@ class Roles:
         for ref in ready:
             try:
                 ray.get(ref)
+            except ActorUnavailableError:
+                continue
             except RayActorError:
                 actor = refs[ref]
                 dead.append(names.get(actor._actor_id, f"{self.run_name}/coordinator"

@@ -16,6 +16,14 @@ the run at once. Each recovery is said on the console and recorded in `recoverie
 (`recovery/count`, `recovery/restart_s`, `recovery/redone_steps`), so MLflow shows it too.
 A dead stateless actor alone (rollout, reward) is first recovered at stage level
 (`raygraph.run.stage_recovery`), which records here too, with `kind: "stage"`.
+
+A lost node's actors vanish without a word: the first error to reach the driver is a surviving
+rank's collective reporting a closed connection, or Ray calling an actor "temporarily
+unavailable", while Ray still calls the node alive (its GCS declares a silent node dead after a
+few missed health checks, ~15 s by default). `find_dead_actors` then waits for Ray's verdict, up
+to its own detection bound, so that the failure is recovered (not taken for a bug), the record
+names the dead actors and `lost_nodes` the dead nodes, and the roles are not rebuilt on the node
+that is going away.
 """
 
 from __future__ import annotations
@@ -23,12 +31,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
+
 from raygraph.cluster import RoleError, WeightSyncError
 
-__all__ = ["Recoveries", "failure_is_recoverable", "INFRASTRUCTURE_CAUSES"]
+__all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nodes", "INFRASTRUCTURE_CAUSES",
+           "LOST_PEER_SIGNS"]
 
 log = logging.getLogger("raygraph")
 
@@ -37,6 +49,53 @@ INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError")
+
+
+# What a failed call says when a process it talked to vanished before Ray declared it dead: a
+# collective's surviving rank (gloo, NCCL), or Ray itself (the actor's connection dropped).
+LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "remote process exited or there was a network error", "ActorUnavailableError",
+                   "is temporarily unavailable")
+
+
+def find_dead_actors(roles, exc: BaseException) -> list[str]:
+    """Names of the run's dead actors after `exc` (`Roles.dead_actors`). When none is dead yet but
+    `exc` says a peer vanished (`LOST_PEER_SIGNS`), keep asking until Ray reports the death (a
+    lost node takes its health-check time), at most `node_death_bound_s()`; [] if none died."""
+    dead = roles.dead_actors()
+    if dead or not any(sign in str(exc) for sign in LOST_PEER_SIGNS):
+        return dead
+    bound_s, started = node_death_bound_s(), time.monotonic()
+    print(f"[raygraph] {_where(exc)}: a peer vanished; waiting up to {bound_s:.0f}s for Ray to report "
+          "which actor or node died", flush=True)
+    while not dead and time.monotonic() - started < bound_s:
+        time.sleep(0.5)
+        dead = roles.dead_actors()   # an actor on a silent node does not answer: ~3 s per round
+    return dead
+
+
+def node_death_bound_s() -> float:
+    """The longest Ray's GCS takes to declare a silent node dead: `health_check_failure_threshold`
+    missed checks, each up to `health_check_timeout_ms` and `health_check_period_ms` apart
+    (5 x (10 s + 3 s) with Ray's defaults)."""
+    try:
+        config = ray._config   # the cluster's system config, as the driver received it
+        ms = config.health_check_failure_threshold() * (config.health_check_timeout_ms()
+                                                        + config.health_check_period_ms())
+    except Exception:  # noqa: BLE001 - not connected, or a Ray without these settings: the defaults
+        ms = 5 * (10_000 + 3_000)
+    return ms / 1000
+
+
+def lost_nodes(roles) -> list[str]:
+    """`<ip> (<node id>)` of each node that hosts one of the run's role actors and that Ray calls dead
+    ([] when Ray cannot say: this runs while a failure is handled and must not replace its error)."""
+    try:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 - the GCS unreachable: the failure's own error says more
+        return []
+    return sorted({f"{s.node_ip} ({s.node_id[:12]})" for group in roles.groups.values() for s in group.sites
+                   if s.node_id and s.node_id not in alive})
 
 
 def failure_is_recoverable(exc: BaseException, dead_actors: list[str]) -> bool:
@@ -62,22 +121,24 @@ class Recoveries:
     _failed_step: int = 0
     _pending: dict = field(default_factory=dict)
 
-    def should_retry(self, exc: BaseException, dead_actors: list[str], failed_step: int) -> bool:
+    def should_retry(self, exc: BaseException, dead_actors: list[str], failed_step: int,
+                     nodes_lost: Sequence[str] = ()) -> bool:
         """Decide on one failure; when retrying, record it (console, recoveries.jsonl)."""
         if not self._take_one(exc, dead_actors):
             return False
         self._failed_at, self._failed_step = time.monotonic(), failed_step
         self._record_failure("run", exc, dead_actors, failed_step,
-                             "rebuilding the roles and resuming from the newest checkpoint")
+                             "rebuilding the roles and resuming from the newest checkpoint", nodes_lost)
         return True
 
-    def stage_failed(self, exc: BaseException, dead_actors: list[str], failed_step: int) -> bool:
+    def stage_failed(self, exc: BaseException, dead_actors: list[str], failed_step: int,
+                     nodes_lost: Sequence[str] = ()) -> bool:
         """A step failed and only actors of stateless roles died: take one recovery from the budget
         and record it (kind "stage") if any is left."""
         if not self._take_one(exc, dead_actors):
             return False
         self._record_failure("stage", exc, dead_actors, failed_step,
-                             "restarting only those actors and running the step again")
+                             "restarting only those actors and running the step again", nodes_lost)
         return True
 
     def stage_done(self, failed_step: int, restart_s: float, weights: dict) -> None:
@@ -101,14 +162,14 @@ class Recoveries:
         return True
 
     def _record_failure(self, kind: str, exc: BaseException, dead_actors: list[str], failed_step: int,
-                        action: str) -> None:
+                        action: str, nodes_lost: Sequence[str]) -> None:
         where = _where(exc)
         record = {"recovery": self.count, "kind": kind, "time": time.time(), "failed_step": failed_step,
                   "cause": getattr(exc, "cause", type(exc).__name__) or type(exc).__name__,
-                  "where": where, "dead_actors": dead_actors}
+                  "where": where, "dead_actors": dead_actors, "lost_nodes": list(nodes_lost)}
         print(f"[raygraph] recovery {self.count}/{self.max_restarts}: step {failed_step} failed "
-              f"({record['cause']}; {where}{'; dead: ' + ', '.join(dead_actors) if dead_actors else ''}); "
-              f"{action}", flush=True)
+              f"({record['cause']}; {where}{'; dead: ' + ', '.join(dead_actors) if dead_actors else ''}"
+              f"{'; lost node ' + ', '.join(nodes_lost) if nodes_lost else ''}); {action}", flush=True)
         self._write(record)
 
     def resumed(self, checkpoint_step: int) -> None:

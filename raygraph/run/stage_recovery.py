@@ -6,11 +6,13 @@ and run the step again, with no checkpoint reload.
             ─► new weight-sync group ─► every rollout rank back to the step's RNG snapshot
             ─► push the policy's weights (checksummed) ─► graph again (same prompts, same seeds)
 
-Stateless: rollout, reward and reference hold nothing a checkpoint restores beyond weights
-(the rollout's sampling RNG is snapshotted at each step's start, so the rerun samples the same
-tokens and the step's result equals an uninterrupted one). A dead actor qualifies when every role
-it hosts is stateless and none is in a torch.distributed group, i.e. in a disaggregated layout
-(`rollout+reward`); a policy-fused actor (colocated mode) or the coordinator does not.
+Stateless: rollout, reward and the frozen models (the reference, and a workflow's extra roles
+such as a distillation teacher, all played by `ReferenceWorker`) hold nothing a checkpoint
+restores beyond weights (the rollout's sampling RNG is snapshotted at each step's start, so the
+rerun samples the same tokens and the step's result equals an uninterrupted one). A dead actor
+qualifies when every role it hosts is stateless and none is in a torch.distributed group, i.e.
+in a disaggregated layout (`rollout+reward`); a policy-fused actor (colocated mode), a frozen
+model (built in a torch.distributed group like the policy's) or the coordinator does not.
 
 Never trained twice: the rerun happens only when no trained role (policy, critic) ran an update
 in the failed step (their stage clocks say so; an update still running counts as one). Otherwise,
@@ -32,12 +34,19 @@ import ray
 
 from raygraph.cluster import RoleSpec
 from raygraph.cluster.restart import restart_actors, restartable
-from raygraph.run.recovery import Recoveries, failure_is_recoverable
+from raygraph.run.recovery import Recoveries, failure_is_recoverable, lost_nodes
+from raygraph.workers.reference import ReferenceWorker
 
-__all__ = ["StageRunner", "STATELESS_ROLES"]
+__all__ = ["StageRunner", "STATELESS_ROLES", "stateless_roles"]
 
 STATELESS_ROLES = ("rollout", "reward", "reference")
 _TRAINED_ROLES = ("policy", "critic")
+
+
+def stateless_roles(specs: dict[str, RoleSpec]) -> tuple[str, ...]:
+    """The roles of `specs` that a restart loses nothing of: `STATELESS_ROLES`, and every frozen
+    model a workflow adds (`extra_roles`, played by `ReferenceWorker` like the reference)."""
+    return tuple(r for r, spec in specs.items() if r in STATELESS_ROLES or spec.factory is ReferenceWorker)
 
 
 class StageRunner:
@@ -58,10 +67,10 @@ class StageRunner:
                  placement_timeout_s: float = 60.0):
         self.make_executor, self.roles, self.specs, self.recoveries = make_executor, roles, specs, recoveries
         self.state_dir, self.timeout_s = Path(run_dir) / "stage_state", timeout_s
-        self.placement_timeout_s = placement_timeout_s
+        self.placement_timeout_s, self.stateless = placement_timeout_s, stateless_roles(specs)
         self.executor = make_executor()
         rollout_names = [s.actor_name for s in roles.rollout.sites] if "rollout" in roles.names() else []
-        self.enabled = enabled and all(restartable(roles, specs, n, STATELESS_ROLES) for n in rollout_names)
+        self.enabled = enabled and all(restartable(roles, specs, n, self.stateless) for n in rollout_names)
 
     def run(self, prompts: Any, *, step: int, version: int) -> list[Any]:
         """The step graph's outputs for `prompts`, recovering stateless actors once if one dies."""
@@ -78,10 +87,10 @@ class StageRunner:
         self.executor.teardown()
 
     def _recover(self, exc: Exception, step: int, version: int) -> bool:
-        dead = self.roles.dead_actors()
+        dead = self.roles.dead_actors()   # a collective's lost peer is waited for at run level
         if not dead or not failure_is_recoverable(exc, dead):
             return False
-        if not all(restartable(self.roles, self.specs, n, STATELESS_ROLES) for n in dead):
+        if not all(restartable(self.roles, self.specs, n, self.stateless) for n in dead):
             return False
         updated = self._trained_roles_updated()
         if updated is not False:
@@ -89,7 +98,7 @@ class StageRunner:
             print(f"[raygraph] step {step}: not recovering at stage level ({why}); run-level recovery instead",
                   flush=True)
             return False
-        if not self.recoveries.stage_failed(exc, dead, step):
+        if not self.recoveries.stage_failed(exc, dead, step, lost_nodes(self.roles)):
             return False
         started = time.monotonic()
         try:

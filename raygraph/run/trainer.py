@@ -27,7 +27,7 @@ from raygraph.run.feed import StepData, merge_outputs
 from raygraph.run.graphs import build_graphs
 from raygraph.run.health import UpdateHealth
 from raygraph.run.ledger import SampleLedger
-from raygraph.run.recovery import Recoveries
+from raygraph.run.recovery import Recoveries, find_dead_actors, lost_nodes
 from raygraph.run.role_specs import colocation, pools_for, role_specs
 from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import prepare_run, start_ray
@@ -70,7 +70,8 @@ def run(cfg, address: str | None = None) -> RunSummary:
                     raise RunStopped(stop.signum) from None
                 raise
             except _AttemptFailed as failed:
-                if stop.requested or not recoveries.should_retry(failed.error, failed.dead_actors, failed.step):
+                if stop.requested or not recoveries.should_retry(failed.error, failed.dead_actors, failed.step,
+                                                                 failed.lost_nodes):
                     raise failed.error from None
                 # the same run directory, from its newest complete checkpoint
                 cfg = cfg.model_copy(update={"run_name": failed.run_name, "trainer": cfg.trainer.model_copy(
@@ -78,11 +79,14 @@ def run(cfg, address: str | None = None) -> RunSummary:
 
 
 class _AttemptFailed(Exception):
-    """One attempt of the run failed at `step`; `dead_actors` were found dead right after."""
+    """One attempt of the run failed at `step`; `dead_actors` were found dead right after, some of
+    them on `lost_nodes`."""
 
-    def __init__(self, error: Exception, step: int, dead_actors: list[str], run_name: str):
+    def __init__(self, error: Exception, step: int, dead_actors: list[str], run_name: str,
+                 lost_nodes: list[str]):
         super().__init__(str(error))
         self.error, self.step, self.dead_actors, self.run_name = error, step, dead_actors, run_name
+        self.lost_nodes = lost_nodes
 
 
 def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> RunSummary:
@@ -180,12 +184,12 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
             health.check()
         status = "KILLED" if stopped else "FINISHED"
     except Exception as exc:
-        dead = roles.dead_actors()  # a dead rank's state is gone: no checkpoint can be consistent
+        dead = find_dead_actors(roles, exc)  # a dead rank's state is gone: no checkpoint can be consistent
         if not dead:
             unlogged = metrics if consistent is not None and consistent > steps_done else None
             resume.save_after_failure(ctx, roles, data, kl_ctl, version, step=consistent, tracker=tracker,
                                       metrics=unlogged)
-        raise _AttemptFailed(exc, step, dead, ctx.run_name) from exc
+        raise _AttemptFailed(exc, step, dead, ctx.run_name, lost_nodes(roles)) from exc
     finally:
         if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
             ray.timeline(filename=str(ctx.run_dir / "timeline.json"))
