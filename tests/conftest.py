@@ -14,6 +14,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Each vLLM CPU engine would take 15% of RAM (3.5 GiB here) for a KV cache that tiny models and
+# short responses never fill; several engines of a session at once ran the machine short (an
+# engine then fails to start). 1 GiB each (vLLM's own setting, in GiB) holds every test's load.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # The tiny model's ops take microseconds; with 2 OpenMP threads on a busy 2-core machine each op
 # waits ~10 ms for the other thread. One thread is faster here and deterministic.
 torch.set_num_threads(1)
@@ -60,7 +64,8 @@ def ray_local():
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                                           "HF_HUB_OFFLINE": "1"}})
+                                           "HF_HUB_OFFLINE": "1",
+                                           "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}})
     yield ray
     # Ray is shut down at interpreter exit; tests that need a fresh cluster start their own.
 

@@ -101,6 +101,13 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
     if gpu_memory_utilization is None:  # the CPU backend reads it as a share of host RAM
         gpu_memory_utilization = 0.15 if current_platform.is_cpu() else 0.9
     extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    if current_platform.is_cpu():
+        # The CPU backend sizes the KV cache as share x RAM minus its engine process's RSS, and that
+        # process is forked from ours: a large caller (a pytest session, a colocated policy) leaves
+        # nothing and the engine fails to start. The share of RAM is given as bytes instead.
+        import psutil
+
+        extra["kv_cache_memory_bytes"] = int(gpu_memory_utilization * psutil.virtual_memory().total)
     if enable_prefix_caching is not None:
         extra["enable_prefix_caching"] = enable_prefix_caching
     if max_lora_rank is not None:   # the smallest rank vLLM accepts that holds the adapter's
