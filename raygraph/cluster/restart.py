@@ -1,8 +1,9 @@
 """Start dead role actors again, one by one, in the placement-group bundles they held.
 
-Used for roles that hold nothing a checkpoint must restore beyond weights (rollout, reward, a
-frozen reference): the new actor gets the same name, bundle, resources and environment, its
-workers are constructed from the same specs, and the caller then reconnects weight sync and
+Used for roles that hold nothing a checkpoint must restore beyond weights (rollout, reward, an
+unsharded frozen model on its own actors): the new actor gets the same name, bundle, resources
+and environment, its workers are constructed from the same specs, and the caller then reconnects
+weight sync and
 pushes the current weights (`WeightSync.reconnect`, `WeightSync.sync_now`). Roles in a
 torch.distributed group are not restarted here: their peers' group would still name the dead rank.
 """

@@ -139,12 +139,15 @@ def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:
     layout = {  # role -> (worker arguments, ranks, pool, torch.distributed group)
         "policy": (_policy_args, train_world, train_pool, True),
         "critic": (_critic_args, train_world, train_pool, True),
-        "reference": (_reference_args, train_world, train_pool, True),
+        # a frozen model needs a torch.distributed group only to be sharded: unsharded, its actor
+        # (when not fused with the policy's) can be restarted alone (stage-level recovery)
+        "reference": (_reference_args, train_world, train_pool, cfg.reference.shard),
         "rollout": (_rollout_args, rollout_world, rollout_pool, False),
         "reward": (_reward_args, rollout_world, rollout_pool, False),
     }
     for role, extra in cfg.extra_roles.items():   # a workflow's own frozen models, placed like the reference
-        layout[role] = (lambda c, r=role: _extra_role_args(c, r), extra.workers or train_world, train_pool, True)
+        layout[role] = (lambda c, r=role: _extra_role_args(c, r), extra.workers or train_world, train_pool,
+                        extra.shard)
     mapping = cfg.placement.roles if cfg.placement.pools else {}
     specs = {}
     for name, cls in worker_classes(cfg, role_names).items():
@@ -168,7 +171,8 @@ def pools_for(cfg) -> dict[str, PoolSpec]:
 
 
 def colocation(cfg, specs: dict[str, RoleSpec]) -> list[tuple[str, ...]]:
-    """Which roles share one actor process per rank."""
+    """Which roles share one actor process per rank: those of a group placed alike (same pool and
+    ranks as the group's first); a role given its own pool (`placement.roles`) has its own actors."""
     extra = tuple(cfg.extra_roles)   # fused with the policy's ranks when placed like them
     if cfg.placement.mode == "colocated":
         groups = [("policy", "rollout", "reference", "critic", "reward", *extra)]
@@ -179,8 +183,7 @@ def colocation(cfg, specs: dict[str, RoleSpec]) -> list[tuple[str, ...]]:
         members = [r for r in group if r in specs]
         if members:
             first = specs[members[0]]
-            members = [r for r in members if r not in extra
-                       or (specs[r].pool, specs[r].world_size) == (first.pool, first.world_size)]
+            members = [r for r in members if (specs[r].pool, specs[r].world_size) == (first.pool, first.world_size)]
         if len(members) > 1:
             units.append(tuple(members))
     return units

@@ -10,9 +10,11 @@ Stateless: rollout, reward and the frozen models (the reference, and a workflow'
 such as a distillation teacher, all played by `ReferenceWorker`) hold nothing a checkpoint
 restores beyond weights (the rollout's sampling RNG is snapshotted at each step's start, so the
 rerun samples the same tokens and the step's result equals an uninterrupted one). A dead actor
-qualifies when every role it hosts is stateless and none is in a torch.distributed group, i.e.
-in a disaggregated layout (`rollout+reward`); a policy-fused actor (colocated mode), a frozen
-model (built in a torch.distributed group like the policy's) or the coordinator does not.
+qualifies when every role it hosts is stateless and none is in a torch.distributed group: in a
+disaggregated layout the `rollout+reward` actors, and a frozen model on a pool of its own
+(`placement.roles`) unless it is FSDP-sharded (`shard`); an actor fused with the policy (every
+role in colocated mode, the reference by default), a sharded frozen model or the coordinator
+does not.
 
 Never trained twice: the rerun happens only when no trained role (policy, critic) ran an update
 in the failed step (their stage clocks say so; an update still running counts as one). Otherwise,

@@ -91,6 +91,11 @@ LAYOUTS = {
     "colocated": [],
     "disaggregated_2_ranks": ["placement.mode=disaggregated", "placement.train_workers=2",
                               "placement.rollout_workers=1"],
+    # a KL term, and the reference (unsharded) on a pool of its own: an actor of its own
+    "own_reference": ["placement.mode=disaggregated", "actor.kl_loss_coef=0.1",
+                      'placement.pools={"train": {"bundles": 1}, "rollout": {"bundles": 1}, "ref": {"bundles": 1}}',
+                      'placement.roles={"policy": "train", "rollout": "rollout", "reward": "rollout", '
+                      '"reference": "ref"}'],
 }
 
 
@@ -192,6 +197,31 @@ def test_a_killed_rollout_actor_is_restarted_alone_and_its_step_rerun(tmp_path, 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert metrics[2].get("recovery/stage_count") == 1.0
+
+
+def test_a_killed_reference_actor_is_restarted_alone(tmp_path, tiny_model_path, toy_data, ray_local, reference):
+    """Stage-level recovery of a frozen model: the reference, on a pool of its own, is killed once
+    step 2 is trained; the step that needs it next fails, only the reference is started again
+    (same model, nothing to restore), the step runs again, and nothing is reloaded."""
+    from raygraph.run.trainer import run
+
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "refkill", *LAYOUTS["own_reference"])
+    run_dir = tmp_path / cfg.experiment / "refkill"
+    killer = _Killer(run_dir, f"{cfg.experiment}/refkill/", "reference", after_step=2)
+    summary = run(cfg)
+    assert killer.killed_at is not None and killer.victim == f"{cfg.experiment}/refkill/reference/0"
+    assert summary.steps_done == STEPS
+    failure, done = _recoveries(run_dir)
+    assert failure["kind"] == done["kind"] == "stage" and failure["dead_actors"] == [killer.victim]
+    print(f"\n[chaos] stage-level reference: failure detected {failure['time'] - killer.killed_at:.2f}s after "
+          f"kill -9, step {done['rerun_step']} running again {done['restart_s']:.1f}s after detection")
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [r for r in ledger if "resume_from" in r] == [{"resume_from": 0, "reason": "start"}]  # no reload
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(run_dir), reference["own_reference"]
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)) and all(m["actor/kl_loss"] > 0 for m in metrics[1:])
 
 
 HANGING_REWARD = '''
