@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check raygraph workflows tests benchmarks examples
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The inner loop: lint + the tests that need neither Ray nor more than ~20 s (well under a minute).
 test-fast: lint
