@@ -6,7 +6,7 @@ rollouts, scores and log-probs stay in the object store between actors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from raygraph.batch import NEXT_PROMPTS, UID, Batch
@@ -41,6 +41,8 @@ class StepData:
     train: Any
     sampler: Any
     val_prompts: Batch | None
+    # the sampler's position after the step's batch and after each spare batch (see `settle`)
+    _after_round: list = field(default_factory=list, repr=False)
 
     @classmethod
     def load(cls, cfg, data_format: str = "rl") -> StepData:
