@@ -44,6 +44,8 @@ def test_rounds_refill_the_batch_up_to_the_target_then_stop():
     # round 1 is needed: the first spare batch, with the step's meta but not the spares
     first = dapo.refill_prompts(prompts, kept, round=1, target=2)
     assert list(first[UID]) == ["c", "d", "e"] and first.meta == {"step": 3}
+    # the first round samples from the step's prompts without the spares riding in their meta
+    assert dapo.without_spares(prompts).meta == {"step": 3} and dapo.SPARE_PROMPTS in prompts.meta
     # its groups c (0,1) and e (1,0) vary, d (0,0) does not: only c fits (trimmed to the target)
     kept = dapo.add_round(kept, _scored("ccddee", [0, 1, 0, 0, 1, 0]), metric="acc", target=2)
     assert list(kept[UID]) == ["a", "a", "c", "c"]

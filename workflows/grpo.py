@@ -42,7 +42,7 @@ How this departs from the paper (all config, same file):
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns, shape_rollouts, update_batch
+from raygraph.graph.fragments import first_round_prompts, rollout_columns, shape_rollouts, update_batch
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
@@ -54,7 +54,8 @@ def build(roles, cfg):
     """Build the per-step DAG; `cfg.algorithm.advantage` is one of ADVANTAGES (checked by the config)."""
     pipelined = cfg.placement.max_staleness > 0
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate", prompts)
+        rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate",
+                                      first_round_prompts(roles, cfg, prompts))
         scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
         scored, shaping = shape_rollouts(roles, cfg, scored, prompts)   # DAPO options: the batch may change size
         batch = roles.apply(

@@ -32,7 +32,7 @@ from raygraph.batch import (
 )
 
 __all__ = ["SPARE_PROMPTS", "ROUNDS_METRIC", "overlong_penalty", "mask_truncated", "filter_groups", "group_values",
-           "refill_prompts", "add_round", "shaping_metrics"]
+           "refill_prompts", "without_spares", "add_round", "shaping_metrics"]
 
 SPARE_PROMPTS = "spare_prompts"        # prompts.meta: the prompt batches of the extra rounds, in data order
 ROUNDS_METRIC = "rollout/gen_rounds"   # prompt batches (rounds) a step generated from, the first included
@@ -132,9 +132,17 @@ def refill_prompts(prompts: Batch, kept: Batch, *, round: int, target: int) -> B
         raise ValueError(f"dynamic sampling round {round} has no prompts: the driver attached {len(spares)} spare "
                          "batches (algorithm.dynamic_sampling.max_extra_rounds)")
     spare = spares[round - 1]
-    meta = {k: v for k, v in prompts.meta.items() if k != SPARE_PROMPTS}
     wanted = spare if kept.meta["groups_kept"] < target else spare.select(slice(0, 0))
-    return Batch(dict(wanted.tensors), dict(wanted.non_tensors), meta)
+    return Batch(dict(wanted.tensors), dict(wanted.non_tensors), without_spares(prompts).meta)
+
+
+def without_spares(prompts: Batch) -> Batch:
+    """The step's prompts without the spare batches in their `meta` (only `refill_prompts` reads
+    them; every shard and result of the first round would otherwise carry them along)."""
+    if SPARE_PROMPTS not in prompts.meta:
+        return prompts
+    meta = {k: v for k, v in prompts.meta.items() if k != SPARE_PROMPTS}
+    return Batch(dict(prompts.tensors), dict(prompts.non_tensors), meta)
 
 
 def add_round(kept: Batch, scored: Batch, *, metric: str = "acc", target: int) -> Batch:
@@ -156,7 +164,7 @@ def add_round(kept: Batch, scored: Batch, *, metric: str = "acc", target: int) -
         before = kept.meta["sampled_rows"]
         meta["overlong_penalty"] = ((kept.meta["overlong_penalty"] * before + scored.meta["overlong_penalty"]
                                      * len(scored)) / (before + len(scored)))
-    rows = Batch.concat([kept, more]) if len(kept) else more
+    rows = Batch.concat([kept, more])
     return Batch(dict(rows.tensors), dict(rows.non_tensors), meta)
 
 

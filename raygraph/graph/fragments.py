@@ -6,7 +6,8 @@ from __future__ import annotations
 from raygraph.graph import dapo, whole_batch
 from raygraph.graph.nodes import InputNode, MultiOutputNode
 
-__all__ = ["reference_logprobs", "rollout_columns", "shape_rollouts", "validation_graph", "update_batch"]
+__all__ = ["first_round_prompts", "reference_logprobs", "rollout_columns", "shape_rollouts", "validation_graph",
+           "update_batch"]
 
 
 def rollout_columns(roles, cfg, rollouts) -> list:
@@ -23,6 +24,12 @@ def rollout_columns(roles, cfg, rollouts) -> list:
     if cfg.uses_reference or "reference" in roles.names():
         parts.append(reference_logprobs(roles, cfg, rollouts))
     return parts
+
+
+def first_round_prompts(roles, cfg, prompts):
+    """What the step's first `rollout.generate` samples from: `prompts`, without the spare batches
+    the driver attaches for DAPO's extra rounds (`dapo.without_spares`) when it attaches any."""
+    return roles.apply(dapo.without_spares, prompts) if cfg.spare_prompt_batches else prompts
 
 
 def shape_rollouts(roles, cfg, scored, prompts=None):

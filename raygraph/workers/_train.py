@@ -166,8 +166,7 @@ def run_minibatches(
     step_values, norms, skipped = [], [], []
     for _ in range(epochs):
         for mini, _dummy in lockstep(batch.split(mini_size), lambda: batch.select(slice(0, 0))):
-            micros = lockstep(mini.micro_batches(micro_batch_size, max_tokens_per_micro_batch) if len(mini) else [],
-                              lambda: dummy_row(batch))
+            micros = lockstep(mini.micro_batches(micro_batch_size, max_tokens_per_micro_batch), lambda: dummy_row(batch))
             masks = [m[mask_key] for m, is_dummy in micros if not is_dummy]
             totals = all_reduce(torch.tensor([sum(losses.normaliser(loss_agg, m) or 0.0 for m in masks),
                                               sum(float(m.sum()) for m in masks)], dtype=torch.float64))

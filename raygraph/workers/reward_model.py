@@ -78,5 +78,6 @@ class RewardModelWorker:
         seqs = self._sequences(batch)
         scores = [self._score(seqs[i:i + self.micro_batch_size]).cpu()
                   for i in range(0, len(seqs), self.micro_batch_size)]
-        return reward_batch(torch.cat(scores).tolist() if scores else [], {}, batch[RESPONSE_MASK], source=f"reward model {self.model_path}",
-                            uids=list(batch[UID]) if UID in batch else None, on_non_finite=self.on_non_finite)
+        return reward_batch(torch.cat(scores).tolist() if scores else [], {}, batch[RESPONSE_MASK],
+                            source=f"reward model {self.model_path}", uids=list(batch[UID]) if UID in batch else None,
+                            on_non_finite=self.on_non_finite)

@@ -102,9 +102,9 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
         gpu_memory_utilization = 0.15 if current_platform.is_cpu() else 0.9
     extra = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     if current_platform.is_cpu():
-        # The CPU backend sizes the KV cache as share x RAM minus its engine process's RSS, and that
-        # process is forked from ours: a large caller (a pytest session, a colocated policy) leaves
-        # nothing and the engine fails to start. The share of RAM is given as bytes instead.
+        # The CPU backend sizes the KV cache as share x RAM minus its engine worker's own RSS, which
+        # can leave nothing (a worker that is large at start fails: "requested memory for kv
+        # (-2.21/3.53 GiB)" here). The share of RAM is given as bytes instead.
         import psutil
 
         extra["kv_cache_memory_bytes"] = int(gpu_memory_utilization * psutil.virtual_memory().total)
