@@ -40,9 +40,17 @@ def test_vllm_logprobs_on_the_real_model_agree_with_the_policy(smollm2):
              for q in questions]
     enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompts = Batch({PROMPT_IDS: enc.input_ids, PROMPT_MASK: enc.attention_mask}, {UID: ["a", "b"]})
-    worker = VLLMRolloutWorker(model_path=str(smollm2), n=2, max_new_tokens=24, temperature=0.8, seed=0)
+    worker = VLLMRolloutWorker(model_path=str(smollm2), n=2, max_new_tokens=24, temperature=0.8, seed=0,
+                               max_model_len=512, enforce_eager=True)   # as a run configures it
     try:
         rollouts = worker.generate(prompts)
+        # issue 29: seeded rows whose prompts exceed one scheduler batch (here max_model_len = 512
+        # tokens) once killed the CPU engine: 64 prompts x n=4 x ~40 tokens > 8192 tokens
+        many = Batch({PROMPT_IDS: enc.input_ids.repeat(32, 1), PROMPT_MASK: enc.attention_mask.repeat(32, 1)},
+                     {UID: [f"p{i}" for i in range(64)]})
+        big = worker.generate(many, n=4, temperature=1.0)
+        assert int(many[PROMPT_MASK].sum()) * 4 > 8192 and len(big) == 256
+        assert big[RESPONSE_MASK].sum(-1).min() >= 1
     finally:
         worker.close()
     policy = PolicyWorker(model_path=str(smollm2), lr=1e-6, temperature=0.8)

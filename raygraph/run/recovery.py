@@ -48,7 +48,8 @@ log = logging.getLogger("raygraph")
 INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError", "RayActorError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
-                         "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError")
+                         "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
+                         "RolloutEngineDied")   # a vLLM engine's processes died (vllm_compat): rebuild it
 
 
 # What a failed call says when a process it talked to vanished before Ray declared it dead: a

@@ -30,19 +30,40 @@ What is used, and why:
   is built with `enable_lora` and serves an adapter given as a PEFT directory (`LoRARequest`);
   vLLM caches adapters by their int id, so each synced adapter gets a new id and the previous one
   is removed. vLLM 0.32 accepts only the ranks in `_LORA_RANKS` as `max_lora_rank`.
+* Seeded requests on the CPU build (`build_engine`): chunked prefill is turned off
+  (`enable_chunked_prefill=False`). With it on, a prompt that does not fit the step's token
+  budget (`max_num_batched_tokens`) is prefilled in parts; vLLM discards the sample drawn for a
+  partly prefilled request and rewinds that request's generator (`Generator.set_offset`, in
+  `GPUModelRunner._bookkeeping_sync`), which a CPU generator does not have: "CPU Generator does
+  not use offset", and the engine dies. raygraph seeds every sampled row, so any call with more
+  prompt tokens than one budget killed it. Needed on vLLM 0.32.x's CPU build (any V1 release
+  whose runner rewinds offsets; CUDA generators have offsets, the GPU build keeps chunked
+  prefill). Without chunking a waiting request is scheduled only when its whole prompt fits the
+  step, and vLLM raises the budget to at least `max_model_len`, so every request the engine
+  accepts fits one step. Cost measured in docs/benchmarks.md ("Seeded sampling on the vLLM CPU
+  build"). The one setting that still needs chunked prefill, prefix caching on a hybrid
+  (attention + state-space) model, is refused by `seeded_sampling_problem` (`raygraph validate`).
+* A dead engine (`EngineDeadError`, its cause logged in another process) is raised as
+  `RolloutEngineDied` with the engine's own root-cause line (`watch_engine`, `engine_guard`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from raygraph.errors import RoleFailed
+
 __all__ = [
-    "SUPPORTED_VLLM", "add_lora", "begin_weight_update", "build_engine", "finish_weight_update",
+    "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
+    "watch_engine", "begin_weight_update", "build_engine", "finish_weight_update",
     "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
     "sampling_params", "scale_logits", "shutdown", "sleep", "vllm_version", "wake_up",
 ]
@@ -112,6 +133,8 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
         extra["enable_prefix_caching"] = enable_prefix_caching
     if max_lora_rank is not None:   # the smallest rank vLLM accepts that holds the adapter's
         extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in _LORA_RANKS if r >= max_lora_rank))
+    if current_platform.is_cpu():   # seeded rows + a chunked prefill kill the CPU engine (module docstring)
+        extra["enable_chunked_prefill"] = False
     return LLM(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -152,6 +175,61 @@ def generate_tokens(engine: Any, prompts: Sequence[list[int]], params: Sequence[
     return result
 
 
+class RolloutEngineDied(RoleFailed, RuntimeError):
+    """The vLLM engine's processes died; the message is the engine's own root-cause line. The
+    engine cannot serve again: the worker that holds it must be rebuilt (the recovery of a dead
+    actor does that; `RolloutEngineDied` counts as an infrastructure failure there)."""
+
+
+def watch_engine(engine: Any) -> Path:
+    """Record the first error the engine's worker processes log, in a file this process reads
+    when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
+    path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
+    engine.collective_rpc("raygraph_record_errors", args=(str(path),))
+    return path
+
+
+@contextlib.contextmanager
+def engine_guard(errors: Path | None) -> Iterator[None]:
+    """Turn vLLM's `EngineDeadError` into `RolloutEngineDied` naming the root cause (read from
+    `errors`, the file of `watch_engine`); vLLM's chain of worker tracebacks is dropped."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError:
+        cause = errors.read_text().strip() if errors is not None and errors.is_file() else ""
+        raise RolloutEngineDied("the vLLM engine died: " + (cause or "its worker processes logged no error "
+                                                                      "(see the engine core's log above)")) from None
+
+
+def seeded_sampling_problem(model_path: str, enable_prefix_caching: bool | None) -> str | None:
+    """None when the CPU build can run seeded sampling on this model without chunked prefill,
+    else why not: vLLM's prefix caching on a hybrid (attention + state-space) model requires
+    chunked prefill (vLLM 0.32's `MambaModelConfig`), which `build_engine` turns off on CPU."""
+    if enable_prefix_caching is False:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        vllm_version()
+        from vllm.model_executor.models.interfaces import is_hybrid
+        archs = AutoConfig.from_pretrained(model_path).architectures or []
+    except (ImportError, RuntimeError, OSError):   # no vLLM, or no model yet: the engine start says more
+        return None
+    if any(cls is not None and is_hybrid(cls) for cls in _model_classes(tuple(archs))):
+        return (f"{archs} is a hybrid attention + state-space model: vLLM's prefix caching on it needs chunked "
+                "prefill, which raygraph turns off on vLLM's CPU build (seeded sampling with a chunked prefill "
+                "kills the CPU engine, docs/vllm.md)")
+    return None
+
+
+def _model_classes(archs: tuple[str, ...]) -> list:
+    from vllm.model_executor.models import ModelRegistry
+
+    return [ModelRegistry._try_load_model_cls(arch) for arch in archs]   # noqa: SLF001 (no public lookup in 0.32)
+
+
 @functools.cache
 def lora_support(model_path: str, rank: int, targets: str | tuple[str, ...]) -> str | None:
     """None when the installed vLLM can serve this adapter itself, else the reason it cannot.
@@ -168,7 +246,6 @@ def lora_support(model_path: str, rank: int, targets: str | tuple[str, ...]) -> 
         vllm_version()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.lora.request import LoRARequest  # noqa: F401  (the adapter path needs it)
-        from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_lora
     except (ImportError, RuntimeError) as err:
         return f"this vLLM has no usable LoRA support ({err})"
@@ -182,8 +259,7 @@ def lora_support(model_path: str, rank: int, targets: str | tuple[str, ...]) -> 
         archs = AutoConfig.from_pretrained(model_path).architectures or []
     except OSError as err:   # e.g. a model that `raygraph train` has not built yet
         return f"the model config at {model_path} cannot be read ({type(err).__name__})"
-    classes = [ModelRegistry._try_load_model_cls(arch) for arch in archs]   # noqa: SLF001 (no public lookup in 0.32)
-    if not any(cls is not None and supports_lora(cls) for cls in classes):
+    if not any(cls is not None and supports_lora(cls) for cls in _model_classes(tuple(archs))):
         return f"vLLM's implementation of {archs} has no LoRA support"
     return None
 
@@ -246,6 +322,10 @@ class _WorkerExtension:
     process and is reached through `LLM.collective_rpc`. Method names are prefixed so they
     cannot collide with the worker's own (vLLM asserts that)."""
 
+    def raygraph_record_errors(self, path: str) -> None:
+        """Write the first exception logged by vLLM in this process (`watch_engine`)."""
+        logging.getLogger("vllm").addHandler(_FirstError(path))
+
     def raygraph_scale_logits(self, factor: float) -> None:
         processor = getattr(self.model_runner.get_model(), "logits_processor", None)
         if processor is None or not hasattr(processor, "scale"):
@@ -278,6 +358,21 @@ class _WorkerExtension:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             _reprocess_tied_layers(model)
         self.model_runner.reset_encoder_cache()
+
+
+class _FirstError(logging.Handler):
+    """Writes `<type>: <message>` of the first logged exception to a file; later ones are effects."""
+
+    def __init__(self, path: str):
+        super().__init__(logging.ERROR)
+        self.path, self.done = Path(path), False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.done or not record.exc_info or record.exc_info[1] is None:
+            return
+        exc = record.exc_info[1]
+        self.done = True
+        self.path.write_text(f"{type(exc).__name__}: {exc}")
 
 
 class _KnownReloadWarnings(logging.Filter):
