@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import time
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -46,7 +45,6 @@ class Executor:
     Attributes:
         last_driver_bytes: serialized bytes of what the driver received in the last run.
         last_input_bytes: serialized bytes of the input the driver sent in the last run.
-        last_run_s: wall time of the last run.
     """
 
     def __init__(self, dag: DAGNode, roles: Roles, mode: str = "interpreted", timeout_s: float | None = None,
@@ -56,15 +54,11 @@ class Executor:
         self.mode, self.timeout_s = mode, timeout_s
         self.plan = lower(dag, roles, fuse=fuse)
         self.last_driver_bytes = self.last_input_bytes = 0
-        self.last_run_s = 0.0
         self._compiled = self._compile() if mode == "compiled" else None
 
     def run(self, x: Any) -> list[Any]:
-        start = time.perf_counter()
         self.last_input_bytes = _nbytes(x)
-        outs = self._run_compiled(x) if self._compiled is not None else self._run_interpreted(x)
-        self.last_run_s = time.perf_counter() - start
-        return outs
+        return self._run_compiled(x) if self._compiled is not None else self._run_interpreted(x)
 
     def teardown(self) -> None:
         if self._compiled is not None:

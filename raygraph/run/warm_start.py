@@ -2,7 +2,10 @@
 
 A few SFT steps on prompt/response pairs, with their own constant learning rate and optimizer
 (the RL optimizer and schedule start untouched afterwards), then one weight sync so that the
-rollout engine samples from the warm-started policy. The driver reads the SFT rows (it owns the
+rollout engine samples from the warm-started policy. The steps are the `sft` workflow's
+(`PolicyWorker.sft_update`, same loss and loop) with `lr=`, which steps a separate AdamW
+(`TrainedModel.train(stage_lr=)`): the policy's own optimizer has the RL lr, weight decay, betas
+and schedule, and its moments and schedule position must be fresh at step 1. The driver reads the SFT rows (it owns the
 data files) and hands each policy rank its shard.
 """
 

@@ -33,8 +33,8 @@ from raygraph.models.lora import (
     merged_tensors,
     save_adapter,
 )
-from raygraph.workers._train import group_in_buckets
 from raygraph.workers.distributed import full_tensor, is_distributed, rank
+from raygraph.workers.weight_buckets import group_in_buckets
 
 __all__ = ["LORA_SYNCS", "PolicyAdapter", "adapter_dir"]
 

@@ -25,9 +25,10 @@ from raygraph.batch import (
 )
 from raygraph.models.logprobs import sequence_inputs
 from raygraph.models.value_head import ValueModel
-from raygraph.workers import _train
 from raygraph.workers.distributed import dummy_row, lockstep, rank
+from raygraph.workers.train_loop import MicroResult
 from raygraph.workers.trained_model import TrainedModel
+from raygraph.workers.weight_buckets import iter_weight_buckets
 
 __all__ = ["CriticWorker"]
 
@@ -85,13 +86,13 @@ class CriticWorker:
                lockstep(micros, lambda: dummy_row(columns)) if not is_dummy]
         return Batch({VALUES: torch.cat(out) if out else torch.zeros(0, width)})
 
-    def _value_loss(self, micro: Batch) -> _train.MicroResult:
+    def _value_loss(self, micro: Batch) -> MicroResult:
         values = self._forward(micro)
         loss, stats = losses.value_loss(values=values, old_values=micro[VALUES].to(self.device),
                                         returns=micro[RETURNS].to(self.device),
                                         response_mask=micro[RESPONSE_MASK].to(self.device),
                                         clip=self.value_clip, agg=self.loss_agg)
-        return _train.MicroResult(loss=loss, loss_terms={"vf_loss": loss.detach()}, token_stats=stats)
+        return MicroResult(loss=loss, loss_terms={"vf_loss": loss.detach()}, token_stats=stats)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss epochs on this rank's shard (needs `values` and `returns`).
@@ -109,9 +110,6 @@ class CriticWorker:
                                      loss_agg=self.loss_agg)
         return {f"critic/{k}": v for k, v in metrics.items()}
 
-    def state_dict_for_checkpoint(self) -> dict:
-        return self.trained.state_dict()
-
     def save_checkpoint(self, path: str | Path) -> None:
         self.trained.save(path)
 
@@ -121,7 +119,7 @@ class CriticWorker:
     def save_pretrained(self, path: str | Path) -> None:
         """Body in HF format + `value_head.safetensors` (rank 0 writes; all ranks must call)."""
         keep = rank() == 0  # other ranks only take part in the all-gathers
-        buckets = _train.iter_weight_buckets(self.model, 64 << 20)
+        buckets = iter_weight_buckets(self.model, 64 << 20)
         state = {name: t.cpu() for bucket in buckets for name, t in bucket if keep}
         if keep:
             self.model.save_pretrained(path, state_dict=state)

@@ -42,16 +42,15 @@ from raygraph.batch import (
 from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
 from raygraph.models.lora import LoraSpec
-from raygraph.workers import _train
 from raygraph.workers.adapter import PolicyAdapter
 from raygraph.workers.distributed import all_reduce, dummy_row, lockstep, rank
+from raygraph.workers.train_loop import MicroResult
 from raygraph.workers.trained_model import TrainedModel
+from raygraph.workers.weight_buckets import iter_weight_buckets
 
-__all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]
+__all__ = ["INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK", "PolicyWorker"]   # the first three: columns of an SFT batch
 
 log = logging.getLogger(__name__)
-
-# Columns of a supervised (SFT) batch: whole sequences, padded on either side.
 
 
 class PolicyWorker:
@@ -96,7 +95,6 @@ class PolicyWorker:
             max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         self.model, self.device = self.trained.model, self.trained.device
         self.packed = use_packed(self.model, None)
-        self._warm_start_optim = None  # (lr, optimizer, scheduler) of an SFT warm-start stage
         self.ppo_epochs, self.mini_batch_size, self.micro_batch_size = ppo_epochs, mini_batch_size, micro_batch_size
         self.policy_loss, self.loss_agg = policy_loss, loss_agg
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
@@ -136,7 +134,7 @@ class PolicyWorker:
             return Batch({REF_LOGPROBS: self.logprobs(batch)[OLD_LOGPROBS]})
 
     # ------------------------------------------------------------------------------ training
-    def _ppo_loss(self, micro: Batch) -> _train.MicroResult:
+    def _ppo_loss(self, micro: Batch) -> MicroResult:
         mask = micro[RESPONSE_MASK].to(self.device)
         with self.trained.compute():
             logprobs, entropy = forward_response(
@@ -160,7 +158,7 @@ class PolicyWorker:
             terms["kl_loss"] = kl_loss.detach()
         token_mean = entropy.detach().sum() / mask.sum().clamp(min=1)
         stats = dict(stats) | {"entropy": token_mean}   # every stat the loss reports becomes actor/<key>
-        return _train.MicroResult(loss=loss, loss_terms=terms, token_stats=stats)
+        return MicroResult(loss=loss, loss_terms=terms, token_stats=stats)
 
     def _track_rollout_gap(self, micro: Batch, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
         """Largest gap between the rollout engine's log-probs and ours, on the first optimizer
@@ -187,7 +185,7 @@ class PolicyWorker:
             `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/clipfrac_lower`,
             `actor/approx_kl` (a user loss: the stats it returns), `actor/entropy`,
             `actor/kl_loss`, `actor/skipped_steps`, `actor/empty_updates` (1: no rank had a row,
-            no optimizer step, see `_train.run_minibatches`): means over the optimizer
+            no optimizer step, see `train_loop.run_minibatches`): means over the optimizer
             steps of this call, global over ranks (identical on every rank); `actor/lr`: the
             lr of the last step.
         """
@@ -217,9 +215,9 @@ class PolicyWorker:
         return metrics
 
     def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,
-             defaults: dict[str, float], optimizer=None, scheduler=None) -> dict[str, float]:
+             defaults: dict[str, float], stage_lr: float | None = None) -> dict[str, float]:
         metrics = self.trained.train(batch, loss_fn, mask_key=mask_key, loss_agg=agg, epochs=epochs,
-                                     optimizer=optimizer, scheduler=scheduler)
+                                     stage_lr=stage_lr)
         sync = self.adapter.metrics() if self.adapter is not None else {}
         if metrics.get("empty_updates"):
             log.warning("policy: no rows to train on any rank this step (all filtered out): no optimizer step")
@@ -228,34 +226,28 @@ class PolicyWorker:
                         metrics["skipped_steps"])
         return {f"actor/{k}": v for k, v in (defaults | metrics).items()} | sync
 
-    def _sft_loss(self, micro: Batch) -> _train.MicroResult:
+    def _sft_loss(self, micro: Batch) -> MicroResult:
         input_ids, attention_mask = micro[INPUT_IDS].to(self.device), micro[ATTENTION_MASK].to(self.device)
         mask = micro[_SFT_TARGETS].to(self.device)  # (B, T - 1)
         with self.trained.compute():
             logprobs = token_logprobs_of_sequence(self.model, input_ids, attention_mask)
         nll = losses.aggregate(-logprobs, mask, "token-mean")
-        return _train.MicroResult(loss=nll, loss_terms={"sft_loss": nll.detach()}, token_stats={})
+        return MicroResult(loss=nll, loss_terms={"sft_loss": nll.detach()}, token_stats={})
 
     def sft_update(self, batch: Batch, *, lr: float | None = None) -> dict[str, float]:
         """One epoch of supervised fine-tuning: token-mean NLL of the `loss_mask` tokens.
 
         Needs `input_ids`, `attention_mask`, `loss_mask` (B, T); `loss_mask[:, t]` = 1 makes
         token t a target. With `lr`, the step uses a separate constant-lr AdamW (a warm-start
-        stage before RL) and leaves the policy's own optimizer and schedule untouched.
+        stage before RL, `TrainedModel.train(stage_lr=)`) and leaves the policy's own optimizer
+        and schedule untouched.
         Returns `actor/sft_loss`, `actor/grad_norm`, `actor/lr`, `actor/skipped_steps`.
         """
         batch = batch.select_columns([INPUT_IDS, ATTENTION_MASK]).with_columns(
             **{_SFT_TARGETS: batch[LOSS_MASK][:, 1:]})
-        optimizer = scheduler = None
-        if lr is not None:
-            if self._warm_start_optim is None or self._warm_start_optim[0] != lr:
-                opt = _train.build_optimizer(self.model, lr=lr, weight_decay=0.0, betas=(0.9, 0.999))
-                self._warm_start_optim = (lr, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
-            _, optimizer, scheduler = self._warm_start_optim
-        return self._run(batch, self._sft_loss, _SFT_TARGETS, 1, "token-mean", defaults={},
-                         optimizer=optimizer, scheduler=scheduler)
+        return self._run(batch, self._sft_loss, _SFT_TARGETS, 1, "token-mean", defaults={}, stage_lr=lr)
 
-    def _dpo_loss(self, micro: Batch, beta: float, kind: str) -> _train.MicroResult:
+    def _dpo_loss(self, micro: Batch, beta: float, kind: str) -> MicroResult:
         mask = micro[RESPONSE_MASK].to(self.device)
         with self.trained.compute():
             logprobs, _ = forward_response(self.model, micro, packed=self.packed)
@@ -263,7 +255,7 @@ class PolicyWorker:
         ref = (micro[REF_LOGPROBS].to(self.device) * mask).sum(-1)
         loss, stats = losses.dpo_loss(chosen_logps=seq[0::2], rejected_logps=seq[1::2], ref_chosen_logps=ref[0::2],
                                       ref_rejected_logps=ref[1::2], beta=beta, kind=kind)
-        return _train.MicroResult(loss=loss, loss_terms={"dpo_loss": loss.detach(), **stats}, token_stats={})
+        return MicroResult(loss=loss, loss_terms={"dpo_loss": loss.detach(), **stats}, token_stats={})
 
     def dpo_update(self, batch: Batch, *, beta: float = 0.1, kind: str = "sigmoid") -> dict[str, float]:
         """One epoch of DPO on preference pairs in the rollout layout.
@@ -297,11 +289,7 @@ class PolicyWorker:
         dtype = None if dtype is None else resolve_dtype(dtype)
         if self.adapter is not None:   # LoRA: the adapter only, or merged weights (`lora_sync`)
             return self.adapter.weight_buckets(self.model, bucket_bytes, dtype)
-        return _train.iter_weight_buckets(self.model, bucket_bytes, dtype, copy=False)
-
-    def state_dict_for_checkpoint(self) -> dict:
-        """`{"model", "optimizer", "scheduler", "rng"}`; model/optimizer sharded under FSDP2."""
-        return self.trained.state_dict()
+        return iter_weight_buckets(self.model, bucket_bytes, dtype, copy=False)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Model, optimizer, scheduler and RNG state (all ranks call; sharded under FSDP2)."""

@@ -1,11 +1,12 @@
-"""Rollouts sampled one step ahead, and the rollout engines' checkpoint, shared by both engines.
+"""Rollouts sampled one step ahead, and the rollout engines' checkpoint, shared by every engine.
 
 Asynchronous pipelining (one-step off-policy, docs/async.md): a rollout worker samples the next
 step's prompts with the weights it holds now (`prefetch_next`) and hands those rollouts over one
 step later (`take_or_generate`), after the weight sync. `PrefetchedRollouts` is the buffer that
-does this for `HFRolloutWorker` and `VLLMRolloutWorker`: each worker owns one and delegates to it,
-passing its own `generate` and weight version on every call (the buffer holds no reference to the
-worker, so it works with any engine and is tested with a fake one).
+does this for every rollout engine: each owns one, and the methods every engine shares
+(`raygraph.workers.rollout_engine`) delegate to it, passing the engine's `generate` and weight
+version on every call (the buffer holds no reference to the worker, so it works with any engine
+and is tested with a fake one).
 
 The checkpoint of a rollout worker is the sampling generator's state, the weight version and the
 kept rollouts, in safe formats only (nothing is unpickled on resume):
@@ -34,7 +35,6 @@ from raygraph.batch import NEXT_PROMPTS, STALENESS, UID, WEIGHT_VERSION, Batch
 __all__ = ["KEPT_COLUMNS", "KEPT_TENSORS", "STATE_FILE", "PrefetchedRollouts"]
 
 STATE_FILE, KEPT_TENSORS, KEPT_COLUMNS = "rollout_state.safetensors", "prefetched.safetensors", "prefetched.json"
-_PICKLED = ("rollout_state.pt", "prefetched.pkl")  # written by raygraph before the safe format
 
 Generate = Callable[[Batch], Batch]  # prompts -> rollouts, as a rollout worker's `generate(batch)`
 
@@ -125,18 +125,11 @@ class PrefetchedRollouts:
 
     def load(self, path: str | Path, generator: torch.Generator) -> int:
         """Restore what `save` wrote: sets `generator`'s state, replaces `kept`; returns the weight
-        version.
-
-        Raises:
-            ValueError: the directory holds the old pickled format (never unpickled).
-        """
+        version. Only safetensors and JSON are read (nothing is unpickled)."""
         from safetensors import safe_open
         from safetensors.torch import load_file
 
         path = Path(path)
-        if not (path / STATE_FILE).is_file() and any((path / old).is_file() for old in _PICKLED):
-            raise ValueError(f"{path} holds a rollout checkpoint in the old pickled format ({', '.join(_PICKLED)}), "
-                             f"which raygraph no longer loads; resume from a checkpoint written by this version")
         with safe_open(path / STATE_FILE, framework="pt") as f:
             generator.set_state(f.get_tensor("generator"))
             weight_version = int(f.metadata()["weight_version"])

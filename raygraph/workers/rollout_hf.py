@@ -18,15 +18,15 @@ weights and call sequence give the same samples. Give each data-parallel rank it
 
 Asynchronous pipelining (one-step off-policy): `prefetch_next` samples the next step's rollouts
 with the weights held now and keeps them; `take_or_generate` hands them over one step later
-(or samples now when nothing matching was prefetched); `raygraph.workers.prefetch` keeps them.
-The kept rollouts are part of the checkpoint (safetensors + JSON, no pickle), so a resumed run
-continues with exactly the rollouts it would have used.
+(or samples now when nothing matching was prefetched); `raygraph.workers.prefetch` keeps them,
+with the methods every engine shares (`raygraph.workers.rollout_engine`). The kept rollouts are
+part of the checkpoint (safetensors + JSON, no pickle), so a resumed run continues with exactly
+the rollouts it would have used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -39,6 +39,7 @@ from raygraph.batch import (
 from raygraph.models.loading import load_causal_lm, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_runs
 from raygraph.models.lora import LoraSpec, apply_lora
+from raygraph.workers import rollout_engine
 from raygraph.workers.distributed import default_device
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
@@ -115,23 +116,11 @@ class HFRolloutWorker:
         self._weight_version = 0
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
 
-    def reseed(self, seed: int) -> None:
-        """Restart the sampling generator from `seed` (the trainer gives each rank its own)."""
-        self.generator.manual_seed(seed)
-
-    def save_checkpoint(self, path: str | Path) -> None:
-        """The sampling generator's state, the weight version and any prefetched rollouts
-        (safetensors + JSON, see `raygraph.workers.prefetch`); the weights come back from the
-        policy on resume."""
-        self.prefetched.save(path, self.generator, self._weight_version)
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        self._weight_version = self.prefetched.load(path, self.generator)
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights in use (0 = as loaded; set by `load_weights`)."""
-        return self._weight_version
+    # seeding, pipelining and checkpoints: the same for every engine (`raygraph.workers.rollout_engine`)
+    weight_version, reseed = rollout_engine.weight_version, rollout_engine.reseed
+    prefetch, prefetch_next = rollout_engine.prefetch, rollout_engine.prefetch_next
+    take_or_generate = rollout_engine.take_or_generate
+    save_checkpoint, load_checkpoint = rollout_engine.save_checkpoint, rollout_engine.load_checkpoint
 
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -211,35 +200,6 @@ class HFRolloutWorker:
             probs = torch.softmax(filter_top_k_top_p(scaled, self.top_k, self.top_p), dim=-1)
             token = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
-
-    # ------------------------------------------------------------------------------ pipelining
-    def prefetch(self, prompts: Batch) -> int:
-        """Sample rollouts for `prompts` now, with the weights held now, and keep them for
-        `take_or_generate`. Returns the number of rows kept."""
-        return self.prefetched.prefetch(prompts, self.generate)
-
-    def prefetch_next(self, batch: Batch) -> dict[str, float]:
-        """`prefetch` the share of the NEXT step's prompts that this rank will receive.
-
-        Args:
-            batch: this rank's share of the current step's prompts; the driver put the next step's
-                shares in `batch.meta[NEXT_PROMPTS]` as `{uids of a share now: the same rank's
-                share next step}` (see `raygraph.run.feed.StepData.next_prompts`).
-
-        Returns:
-            `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).
-        """
-        return self.prefetched.prefetch_next(batch, self.generate)
-
-    def take_or_generate(self, batch: Batch) -> Batch:
-        """This step's rollouts: the ones prefetched for exactly these prompts, else sampled now.
-
-        Returns:
-            what `generate(batch)` returns (with `batch.meta`, less `NEXT_PROMPTS`), plus
-            `staleness` `(B*n,)`: how many versions the weights that sampled each row lag the
-            weights held now, which are the policy's (every step ends with a weight sync).
-        """
-        return self.prefetched.take_or_generate(batch, self.generate, self._weight_version)
 
     # ------------------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""A vLLM rollout engine with the contract of `HFRolloutWorker` (same methods, same columns).
+"""A vLLM rollout engine: the contract of every engine (`raygraph.workers.rollout_engine`).
 
 vLLM does the sampling (continuous batching, paged KV cache); this worker turns a `Batch` of
 left-padded prompt ids into requests and the engine's outputs back into the batch layout every
@@ -15,6 +15,9 @@ role assumes (see `raygraph.workers.rollout_hf` for the conventions, repeated he
 
 Seeds: one `torch.Generator` per worker, seeded with `seed`, draws one vLLM seed per sampled
 row; the same seed, weights and call sequence give the same samples. Greedy rows use no seed.
+A row's sample depends on its seed, prompt and the weights only, not on the other rows of the call.
+On vLLM's CPU build the engine runs without chunked prefill, so seeded rows cannot kill it
+(`vllm_compat.build_engine`); a dead engine raises `vllm_compat.RolloutEngineDied`.
 
 Weights: `load_weights(buckets, version)` streams HF-named tensors into the running engine,
 bucket by bucket (vLLM's layerwise reload re-packs each layer once all its tensors arrived).
@@ -25,7 +28,7 @@ adapter support instead: an update carries the adapter tensors only, written as 
 removed), and every request runs with it. Without it (`lora_sync="merged"`) updates are merged
 full weights, as above.
 
-Prefetching and checkpoints are the HF worker's (`raygraph.workers.prefetch.PrefetchedRollouts`):
+Prefetching and checkpoints are every engine's (`raygraph.workers.rollout_engine`):
 safe formats only, tensors in safetensors, the other columns in JSON (numpy values become lists /
 Python scalars; anything else JSON cannot hold is an error).
 
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -49,7 +51,7 @@ from raygraph.batch import (
 )
 from raygraph.models.loading import load_tokenizer
 from raygraph.models.lora import LoraSpec
-from raygraph.workers import vllm_compat
+from raygraph.workers import rollout_engine, vllm_compat
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 from raygraph.workers.vllm_adapter import AdapterSlot
@@ -121,6 +123,7 @@ class VLLMRolloutWorker:
             enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
             max_lora_rank=None if self._adapter is None else lora.rank)
+        self._errors = vllm_compat.watch_engine(self.engine)
         if temperature != 1.0:
             vllm_compat.scale_logits(self.engine, 1.0 / temperature)
         self.max_model_len = vllm_compat.max_model_len(self.engine)
@@ -129,14 +132,11 @@ class VLLMRolloutWorker:
         self._weight_version = 0
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
 
-    def reseed(self, seed: int) -> None:
-        """Restart the seed generator from `seed` (the trainer gives each rank its own)."""
-        self.generator.manual_seed(seed)
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights in use (0 = as loaded; set by `load_weights`)."""
-        return self._weight_version
+    # seeding, pipelining and checkpoints: the same for every engine (`raygraph.workers.rollout_engine`)
+    weight_version, reseed = rollout_engine.weight_version, rollout_engine.reseed
+    prefetch, prefetch_next = rollout_engine.prefetch, rollout_engine.prefetch_next
+    take_or_generate = rollout_engine.take_or_generate
+    save_checkpoint, load_checkpoint = rollout_engine.save_checkpoint, rollout_engine.load_checkpoint
 
     def close(self) -> None:
         """Stop the engine's processes (also happens when the worker is garbage-collected)."""
@@ -161,6 +161,9 @@ class VLLMRolloutWorker:
             `uid` included) with `responses`, `response_mask` `(B*n, R)` (R = longest
             response), `response_length`, `rollout_logprobs`, `weight_version`,
             `response_text`.
+
+        Raises:
+            RolloutEngineDied: the engine died (its root cause in the message); rebuild the worker.
         """
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
@@ -180,7 +183,8 @@ class VLLMRolloutWorker:
                                               temperature=(temperature or self.temperature) / self.temperature)
                   for s in seeds]
         self._wake()
-        outputs = vllm_compat.generate_tokens(self.engine, prompts, params, lora=self._lora)
+        with vllm_compat.engine_guard(self._errors):
+            outputs = vllm_compat.generate_tokens(self.engine, prompts, params, lora=self._lora)
         if self.enable_sleep_mode:
             self.sleep()
         width = max(len(tokens) for tokens, _ in outputs)
@@ -193,43 +197,6 @@ class VLLMRolloutWorker:
             logprobs[i, :len(tokens)] = torch.tensor(token_logprobs, dtype=torch.float32)
         texts = self.tokenizer.batch_decode([tokens for tokens, _ in outputs], skip_special_tokens=True)
         return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
-
-    # ------------------------------------------------------------------------------ pipelining
-    def prefetch(self, prompts: Batch) -> int:
-        """Sample rollouts for `prompts` now, with the weights held now, and keep them for
-        `take_or_generate`. Returns the number of rows kept."""
-        return self.prefetched.prefetch(prompts, self.generate)
-
-    def prefetch_next(self, batch: Batch) -> dict[str, float]:
-        """`prefetch` the share of the NEXT step's prompts that this rank will receive.
-
-        Args:
-            batch: this rank's share of the current step's prompts, with the next step's shares
-                in `batch.meta[NEXT_PROMPTS]` (see `HFRolloutWorker.prefetch_next`).
-
-        Returns:
-            `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).
-        """
-        return self.prefetched.prefetch_next(batch, self.generate)
-
-    def take_or_generate(self, batch: Batch) -> Batch:
-        """This step's rollouts: the ones prefetched for exactly these prompts, else sampled now.
-
-        Returns:
-            what `generate(batch)` returns (with `batch.meta`, less `NEXT_PROMPTS`), plus
-            `staleness` `(B*n,)`: versions the sampling weights lag the weights held now.
-        """
-        return self.prefetched.take_or_generate(batch, self.generate, self._weight_version)
-
-    # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path) -> None:
-        """The seed generator's state, the weight version and any prefetched rollouts (their
-        `meta` is not kept: `take_or_generate` replaces it); the weights come back from the
-        policy on resume."""
-        self.prefetched.save(path, self.generator, self._weight_version)
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        self._weight_version = self.prefetched.load(path, self.generator)
 
     # ------------------------------------------------------------------------------ weights
     def load_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
@@ -246,12 +213,18 @@ class VLLMRolloutWorker:
             `{"loaded": number of tensors, "bytes": bytes received, "version": version}`.
 
         Raises:
+            RolloutEngineDied: the engine died (its root cause in the message); rebuild the worker.
             KeyError: a name that is not a parameter or buffer of this model.
             ValueError: a shape mismatch, naming the parameter; or tensors missing at the end
                 (the engine's weights are then inconsistent: send a full update).
         """
         if self._adapter is not None:
-            return self._load_adapter(buckets, version)
+            with vllm_compat.engine_guard(self._errors):
+                return self._load_adapter(buckets, version)
+        with vllm_compat.engine_guard(self._errors):
+            return self._load_full(buckets, version)
+
+    def _load_full(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         loaded, nbytes, seen = 0, 0, set()
         self._wake()
         vllm_compat.begin_weight_update(self.engine)

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from raygraph.errors import CheckpointInvalid
+
 __all__ = ["CheckpointError", "dcp_load"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CheckpointInvalid, ValueError):
     """A checkpoint is damaged, truncated, unsafe to load or of an incompatible format."""
 
 

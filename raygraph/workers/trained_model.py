@@ -8,8 +8,9 @@
 
 It places the model on the device, shards it with FSDP2 when `torch.distributed` runs (mixed
 precision there, autocast otherwise; master weights and optimizer state stay float32), builds
-AdamW and the lr schedule, runs epochs x mini-batches x micro-batches
-(`raygraph.workers._train.run_minibatches`) and saves/loads model + optimizer + schedule + RNG.
+AdamW and the lr schedule (`raygraph.workers.optim`), runs epochs x mini-batches x micro-batches
+(`raygraph.workers.train_loop.run_minibatches`) and saves/loads model + optimizer + schedule + RNG
+(`raygraph.workers.train_state`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from torch import nn
 
 from raygraph.batch import Batch
 from raygraph.models.loading import resolve_dtype
-from raygraph.workers import _train
+from raygraph.workers import optim
 from raygraph.workers.distributed import default_device, fsdp_wrap, is_distributed
+from raygraph.workers.train_loop import MicroResult, run_minibatches
+from raygraph.workers.train_state import load_train_state, save_train_state
 
 __all__ = ["TrainedModel"]
 
@@ -58,9 +61,10 @@ class TrainedModel:
             model = fsdp_wrap(model, param_dtype=self.compute_dtype if low_precision else None)
         self._autocast = low_precision and not is_distributed()
         self.model = model
-        self.optimizer = _train.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
-        self.scheduler = _train.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
-                                                lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
+        self.optimizer = optim.build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+        self.scheduler = optim.build_scheduler(self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps,
+                                               lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
+        self._stage: tuple[float, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler] | None = None
         self.grad_clip, self.ppo_epochs = grad_clip, ppo_epochs
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
@@ -71,33 +75,39 @@ class TrainedModel:
             return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
-    def train(self, batch: Batch, loss_fn: Callable[[Batch], _train.MicroResult], *, mask_key: str,
-              loss_agg: str, epochs: int | None = None, optimizer: torch.optim.Optimizer | None = None,
-              scheduler=None) -> dict[str, float]:
+    def train(self, batch: Batch, loss_fn: Callable[[Batch], MicroResult], *, mask_key: str,
+              loss_agg: str, epochs: int | None = None, stage_lr: float | None = None) -> dict[str, float]:
         """Epochs x mini-batches (one optimizer step each) x micro-batches of `loss_fn`.
 
         Args:
             epochs: None = `ppo_epochs`.
-            optimizer, scheduler: use these instead of the model's own (e.g. a warm-start stage).
+            stage_lr: step a separate AdamW at this constant lr (no weight decay, default betas),
+                built on first use and kept while `stage_lr` stays the same, and leave the model's
+                own optimizer and schedule untouched: a stage before the main training (the SFT
+                warm start), after which the main training starts from a fresh optimizer state.
         Returns:
             `run_minibatches`' metrics (loss terms, token stats, grad_norm, skipped_steps, lr).
         """
+        optimizer, scheduler = (self.optimizer, self.scheduler) if stage_lr is None else self._stage_optim(stage_lr)
         self.model.train()
-        return _train.run_minibatches(
-            batch, model=self.model, optimizer=optimizer or self.optimizer,
-            scheduler=scheduler or self.scheduler, loss_fn=loss_fn, mask_key=mask_key, loss_agg=loss_agg,
+        return run_minibatches(
+            batch, model=self.model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
+            mask_key=mask_key, loss_agg=loss_agg,
             epochs=self.ppo_epochs if epochs is None else epochs, mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.micro_batch_size, max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
             grad_clip=self.grad_clip)
 
-    def state_dict(self) -> dict:
-        """`{"model", "optimizer", "scheduler", "rng"}`; model/optimizer sharded under FSDP2."""
-        return _train.train_state_dict(self.model, self.optimizer, self.scheduler)
-
     def save(self, path: str | Path) -> None:
         """Model, optimizer, scheduler and RNG state (all ranks call; sharded under FSDP2)."""
-        _train.save_train_state(path, self.model, self.optimizer, self.scheduler)
+        save_train_state(path, self.model, self.optimizer, self.scheduler)
 
     def load(self, path: str | Path) -> None:
         """Inverse of `save` (same world size)."""
-        _train.load_train_state(path, self.model, self.optimizer, self.scheduler)
+        load_train_state(path, self.model, self.optimizer, self.scheduler)
+
+    def _stage_optim(self, lr: float) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        if self._stage is None or self._stage[0] != lr:
+            stage = optim.build_optimizer(self.model, lr=lr, weight_decay=0.0, betas=(0.9, 0.999))
+            self._stage = (lr, stage, optim.build_scheduler(stage, warmup_steps=0, total_steps=None,
+                                                            lr_schedule="constant", min_lr_ratio=0.0))
+        return self._stage[1], self._stage[2]

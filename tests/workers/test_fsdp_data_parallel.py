@@ -61,7 +61,7 @@ def _run(model_path: str, batch: Batch, critic_batch: Batch, out: Path | None) -
 
 
 def _critic_buckets(critic: CriticWorker):
-    from raygraph.workers._train import iter_weight_buckets
+    from raygraph.workers.weight_buckets import iter_weight_buckets
 
     return iter_weight_buckets(critic.model, 1 << 20)
 

@@ -41,7 +41,7 @@ def _training_batch(rollout_batch) -> Batch:
 
 def _grads(worker: PolicyWorker, shard: Batch, total_tokens: float) -> dict[str, torch.Tensor]:
     """Gradients of the whole-batch token-mean loss from this rank's shard, gathered (the scaling
-    of `raygraph.workers._train.run_minibatches` with one micro-batch per rank)."""
+    of `raygraph.workers.train_loop.run_minibatches` with one micro-batch per rank)."""
     worker.model.train()
     result = worker._ppo_loss(shard)
     (result.loss * (float(shard[RESPONSE_MASK].sum()) / total_tokens * world_size())).backward()

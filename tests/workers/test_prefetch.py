@@ -154,8 +154,14 @@ def test_a_cell_json_cannot_hold_is_refused_before_anything_is_written(tmp_path)
     assert not (tmp_path / "ckpt" / STATE_FILE).exists()
 
 
-def test_the_old_pickled_format_is_refused_not_unpickled(tmp_path):
-    (tmp_path / "rollout_state.pt").write_bytes(b"old")
+def test_a_directory_without_the_state_file_is_refused_and_its_pickles_never_read(tmp_path, monkeypatch):
+    (tmp_path / "rollout_state.pt").write_bytes(b"pickled")
     (tmp_path / "prefetched.pkl").write_bytes(pickle.dumps({"never": "loaded"}))
-    with pytest.raises(ValueError, match="pickled"):
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
+        monkeypatch.setattr(module, name, refuse)
+    with pytest.raises(FileNotFoundError, match=STATE_FILE):
         PrefetchedRollouts().load(tmp_path, torch.Generator())

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from raygraph.workers._train import build_optimizer, build_scheduler, load_train_state, save_train_state
+from raygraph.workers.optim import build_optimizer, build_scheduler
 from raygraph.workers.safe_load import CheckpointError, _safe_planner
+from raygraph.workers.train_state import load_train_state, save_train_state
 
 
 class _Payload:
@@ -69,13 +70,13 @@ def test_round_trip_restores_everything_without_unpickling(tmp_path, monkeypatch
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws  # RNG restored
 
 
-def test_a_planted_pickle_in_the_old_extra_file_is_refused_not_run(tmp_path):
+def test_a_planted_pickle_in_place_of_the_extra_file_is_refused_not_run(tmp_path):
     model, optimizer, scheduler = _trained()
     save_train_state(tmp_path, model, optimizer, scheduler)
     (tmp_path / "extra_rank0.safetensors").unlink()
     marker = tmp_path / "payload-ran"
     torch.save({"scheduler": _Payload(marker), "rng": {}}, tmp_path / "extra_rank0.pt")
-    with pytest.raises(CheckpointError, match="old pickled format"):
+    with pytest.raises(CheckpointError, match="extra_rank0.safetensors is missing"):
         load_train_state(tmp_path, *_trained(seed=1))
     assert not marker.exists()
 
@@ -114,7 +115,7 @@ def test_every_rng_state_round_trips_through_the_file_format(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from raygraph.workers._train import _extra_from_file, _extra_to_file
+    from raygraph.workers.train_state import _extra_from_file, _extra_to_file
 
     random.seed(1), np.random.seed(2), np.random.randn()  # numpy now holds a cached gaussian
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),

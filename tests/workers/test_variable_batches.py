@@ -38,7 +38,8 @@ def _scored(rollout_batch, acc: list[int]) -> Batch:
 
 
 def _advantages(batch: Batch) -> Batch:
-    out = whole_batch.compute_advantages(batch, Batch(), estimator="grpo")
+    out = whole_batch.compute_advantages(batch, Batch(), estimator="grpo", gamma=1.0, lam=1.0, eps=1e-6, kl_kind="k1",
+                                         old_from_rollout=False)
     return out.select_columns([c for c in out.columns() if c not in (ACC, TOKEN_LEVEL_SCORES)])
 
 
