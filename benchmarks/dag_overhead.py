@@ -95,7 +95,7 @@ def main() -> None:
              "reward": RoleSpec(NoOp, world_size=1, pool="train")}
     result = {"steps": args.steps, "rows": args.rows, "batch_bytes": prompts.nbytes()}
     for placement in ("colocated", "disaggregated"):
-        with build_roles(f"bench-dag/{placement}", pools, specs, mode=placement,
+        with build_roles(f"bench-dag/{placement}", pools, specs,
                          colocate=[("policy", "rollout")] if placement == "colocated" else [], weight_sync=()) as roles:
             result[placement] = {mode: measure(roles, mode, prompts, args.steps)
                                  for mode in ("interpreted", "compiled")}

@@ -162,7 +162,7 @@ class RaygraphLoop:
         from raygraph.graph import GraphBuilder
         from raygraph.graph.executor import Executor
         from raygraph.run.feed import StepData
-        from raygraph.run.role_specs import colocation, pools_for, role_specs
+        from raygraph.run.role_specs import placement_plan, role_specs
         from raygraph.run.setup import prepare_run, start_ray
         from raygraph.run.warm_start import run_warm_start
 
@@ -178,9 +178,9 @@ class RaygraphLoop:
                      runtime_env={"env_vars": dict(ACTOR_ENV)})
         start_ray(cfg, None)   # no-op when Ray is up
         specs = role_specs(cfg, workflow.roles)
-        p = cfg.placement
-        self.roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=p.mode,
-                                 colocate=colocation(cfg, specs), placement_timeout_s=p.placement_timeout_s,
+        p, plan = cfg.placement, placement_plan(cfg, workflow.roles)
+        self.roles = build_roles(run_name=ctx.ray_name, pools=plan.pools, specs=specs, colocate=plan.fused,
+                                 weight_sync=plan.weight_sync, placement_timeout_s=p.placement_timeout_s,
                                  weight_sync_timeout_s=p.weight_sync_timeout_s,
                                  bucket_bytes=p.weight_bucket_mb << 20, weight_sync_verify=p.weight_sync_verify,
                                  env_vars={"OMP_NUM_THREADS": str(actor_threads)} if actor_threads else None)

@@ -150,7 +150,7 @@ def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_
     if mode == "colocated":
         specs["policy"] = RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6},
                                    world_size=receivers, pool="train")
-    with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, mode=mode,
+    with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, weight_sync=[("policy", "rollout")],
                      colocate=[("policy", "rollout")] if mode == "colocated" else [],
                      bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300) as roles:
         roles.weights.sync_now()   # warm-up

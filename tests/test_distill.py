@@ -47,7 +47,7 @@ def teacher_path(tmp_path_factory, tiny_model_path) -> str:
 
 
 def _distill_overrides(tiny_model_path, teacher_path, **more) -> list[str]:
-    overrides = {"workflow": "distill", "model.path": tiny_model_path, "model.build_tiny": "false", "algorithm.advantage": "null",
+    overrides = {"workflow": "distill", "model.path": tiny_model_path, "model.tiny": "null", "algorithm.advantage": "null",
                  "extra_roles": json.dumps({"teacher": {"model_path": teacher_path}}), **more}
     return [f"{k}={v}" for k, v in overrides.items()]
 
@@ -83,13 +83,14 @@ def test_a_teacher_with_another_vocabulary_is_refused(tiny_model_path, tmp_path)
 
 
 def test_the_teacher_is_placed_like_the_reference_or_on_its_own_pool(tiny_model_path, teacher_path):
-    from raygraph.run.role_specs import colocation, role_specs
+    from raygraph.run.role_specs import placement_plan, role_specs
 
     cfg = load_config(TOY, _distill_overrides(tiny_model_path, teacher_path))
     specs = role_specs(cfg, ("policy", "rollout", "reward", "teacher"))
     teacher = specs["teacher"]
     assert teacher.kwargs["model_path"] == teacher_path and teacher.kwargs["column"] == "teacher_logprobs"
-    assert colocation(cfg, specs) == [("policy", "rollout", "reward", "teacher")]   # one process per rank
+    fused = placement_plan(cfg, ("policy", "rollout", "reward", "teacher")).fused
+    assert fused == (("policy", "rollout", "reward", "teacher"),)   # one process per rank
     pools = json.dumps({"train": {"bundles": 2}, "rollout": {"bundles": 1}, "big": {"bundles": 2}})
     roles = json.dumps({"policy": "train", "rollout": "rollout", "reward": "rollout", "teacher": "big"})
     cfg = load_config(TOY, _distill_overrides(
@@ -97,14 +98,15 @@ def test_the_teacher_is_placed_like_the_reference_or_on_its_own_pool(tiny_model_
                                           "placement.roles": roles, "placement.train_workers": 2, "data.prompts_per_step": 4}))
     specs = role_specs(cfg, ("policy", "rollout", "reward", "teacher"))
     assert (specs["teacher"].pool, specs["teacher"].world_size) == ("big", 2)
-    assert colocation(cfg, specs) == [("rollout", "reward")]   # the teacher has its own actors
+    fused = placement_plan(cfg, ("policy", "rollout", "reward", "teacher")).fused
+    assert fused == (("rollout", "reward"),)   # the teacher has its own actors
 
 
 def test_reference_model_path_is_the_reference_even_with_lora(tiny_model_path, teacher_path):
     from raygraph.run.role_specs import role_specs
 
     lora = 'model.lora={"rank": 2, "target_modules": "all-linear"}'
-    cfg = load_config(TOY, [f"model.path={tiny_model_path}", "model.build_tiny=false", "actor.kl_loss_coef=0.1",
+    cfg = load_config(TOY, [f"model.path={tiny_model_path}", "model.tiny=null", "actor.kl_loss_coef=0.1",
                             f"reference.model_path={teacher_path}", lora])
     assert not cfg.reference_from_policy   # another model: a reference role runs
     assert role_specs(cfg, ("policy", "rollout", "reward"))["reference"].kwargs["model_path"] == teacher_path
@@ -127,7 +129,7 @@ def test_teacher_logprobs_equal_the_teacher_model_computed_without_ray(world, ti
     specs = {"teacher": role_specs(cfg, ("teacher",))["teacher"]}
     batch = rollout_batch(9, seed=3)   # 9 rows: the 2 ranks score shards of 4 and 5
     expected, _ = response_logprobs(load_causal_lm(teacher_path).eval(), batch)
-    with build_roles(f"test-teacher-{world}", pools_for(cfg), specs, mode="colocated", colocate=[]) as roles:
+    with build_roles(f"test-teacher-{world}", pools_for(cfg), specs, colocate=[]) as roles:
         shards = roles.teacher.call_sharded("logprobs", batch)
     assert [len(s) for s in shards] == ([9] if world == 1 else [4, 5])
     got = Batch.concat(shards)["teacher_logprobs"]
@@ -187,7 +189,7 @@ def test_the_doc_teacher_workflow_runs_from_a_user_file_on_two_ranks(tmp_path, m
     monkeypatch.chdir(tmp_path)
     overrides = {"workflow": doc["workflow"], "workflow_args": json.dumps(doc["workflow_args"]),
                  "extra_roles": json.dumps(doc["extra_roles"]), "model.path": tiny_model_path,
-                 "model.build_tiny": "false", "placement.train_workers": 2, "placement.rollout_workers": 2,
+                 "model.tiny": "null", "placement.train_workers": 2, "placement.rollout_workers": 2,
                  "data.train_files": "[data/train.parquet]", "data.val_files": "[data/val.parquet]",
                  "data.val_prompts": 4, "trainer.total_steps": 2, "trainer.output_dir": "runs",
                  "logging.mlflow": "false", "checkpoint.save_hf": "false"}

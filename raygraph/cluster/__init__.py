@@ -6,8 +6,8 @@ It knows nothing about graphs: `raygraph.graph` lowers a workflow's graph into a
     pools = {"train": PoolSpec(bundles=2, cpus_per_bundle=1.0)}
     specs = {"policy": RoleSpec(factory=PolicyWorker, kwargs={...}, world_size=2, pool="train",
                                 distributed=True), ...}
-    roles = build_roles(run_name="exp/run1", pools=pools, specs=specs, mode="colocated",
-                        colocate=[("policy", "rollout", "reference")])
+    roles = build_roles(run_name="exp/run1", pools=pools, specs=specs,
+                        colocate=[("policy", "rollout", "reference")], weight_sync=[("policy", "rollout")])
     roles.policy.call("save_checkpoint", path)
     roles.weights.sync_now()                 # policy -> rollout, outside any graph
     roles.shutdown()

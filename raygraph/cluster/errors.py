@@ -17,14 +17,16 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from raygraph.errors import RoleFailed
+
 __all__ = ["RoleError", "PlacementError", "WeightSyncError", "CallSite", "RemoteFailure", "wait_calls"]
 
 
-class PlacementError(RuntimeError):
+class PlacementError(RoleFailed, RuntimeError):
     """A placement group could not be placed within its bounded wait."""
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(RoleFailed, RuntimeError):
     """A weight transfer timed out, lost a participant, or failed verification."""
 
 
@@ -65,7 +67,7 @@ class RemoteFailure(Exception):
         return RemoteFailure(site, method, tb, type(exc).__name__)
 
 
-class RoleError(RuntimeError):
+class RoleError(RoleFailed, RuntimeError):
     """A role's remote call failed (exception in the worker, or the actor died).
 
     Attributes:

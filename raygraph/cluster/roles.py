@@ -1,10 +1,12 @@
-"""Role groups: N actors per role, placed on pool bundles, optionally fused (colocated mode).
+"""Role groups: N actors per role, placed on pool bundles, several roles of a rank optionally fused.
 
 `build_roles` is the one entry point: pools -> placement groups, specs -> `RoleHost` actors
 (named `<run>/<role>/<rank>`, fused ones `<run>/<a+b>/<rank>`), torch.distributed rendezvous for
 distributed roles, worker construction, and (when the sender and receiver of weights live in
 different processes) the weight-sync collective group. Any failure on the way shuts down what
-was created and re-raises.
+was created and re-raises. Which roles share a pool or an actor and which weights are synced is
+decided by the caller (the driver's placement plan, `raygraph.run.role_specs.placement_plan`);
+this layer knows no placement mode.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ from raygraph.cluster.pools import PoolSpec, create_pool, remove_pool
 from raygraph.cluster.weight_sync import WeightSync
 
 __all__ = ["RoleSpec", "RoleGroup", "Roles", "build_roles"]
-
-_MODES = ("colocated", "disaggregated")
-
 
 @dataclass(frozen=True)
 class RoleSpec:
@@ -116,8 +115,8 @@ class Roles:
         coordinator: the actor that runs whole-batch tasks (scatter, gather, apply).
     """
 
-    def __init__(self, run_name: str, mode: str):
-        self.run_name, self.mode = run_name, mode
+    def __init__(self, run_name: str):
+        self.run_name = run_name
         self.groups: dict[str, RoleGroup] = {}
         self.placement_groups: dict[str, Any] = {}
         self.hosts: list = []
@@ -206,14 +205,14 @@ class Roles:
         self.shutdown()
 
     def __repr__(self) -> str:
-        return f"Roles({self.run_name!r}, mode={self.mode!r}, groups={list(self.groups.values())})"
+        return f"Roles({self.run_name!r}, groups={list(self.groups.values())})"
 
 
 def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, RoleSpec], *,
-                mode: str = "colocated", colocate: Sequence[Sequence[str]] = (),
+                colocate: Sequence[Sequence[str]] = (),
                 placement_timeout_s: float = 60.0, weight_sync_timeout_s: float = 60.0,
                 bucket_bytes: int = 64 << 20, env_vars: dict[str, str] | None = None,
-                weight_sync: Sequence[tuple[str, str]] = (("policy", "rollout"),),
+                weight_sync: Sequence[tuple[str, str]] = (),
                 weight_sync_verify: bool = True, plugins: Sequence[str] = ()) -> Roles:
     """Create the placement groups, actors and workers of a run.
 
@@ -221,9 +220,6 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
         run_name: prefix of actor and placement-group names (`<run>/<role>/<rank>`, `<run>/<pool>`).
         pools: pool name -> `PoolSpec`.
         specs: role name -> `RoleSpec`.
-        mode: "colocated" or "disaggregated". Both honour `colocate`; in disaggregated mode a
-            weight-sync pair (e.g. policy and rollout) may not be fused, so its weights always
-            move over the collective group.
         colocate: tuples of role names whose rank i shares ONE actor process (same pool and world
             size required); weights between fused roles move in-process.
         placement_timeout_s: bounded wait for each placement group.
@@ -232,8 +228,9 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
         env_vars: extra environment for every actor. OMP_NUM_THREADS (torch's intra-op threads)
             defaults to the actor's whole CPUs (its bundle's `cpus_per_bundle` / actors sharing it,
             at least 1), as Ray does for tasks with `num_cpus`.
-        weight_sync: (src, dst) role pairs whose weights are synced; pairs with a missing role
-            are skipped. Pairs not fused get a collective group created here.
+        weight_sync: (src, dst) role pairs whose weights are synced (e.g. `[("policy", "rollout")]`);
+            pairs with a missing role are skipped. Pairs not fused get a collective group created
+            here; fused pairs move weights in-process.
         weight_sync_verify: the collective groups' senders checksum every bucket and receivers
             refuse a bucket that does not match (in-process syncs of fused pairs always check).
         plugins: user code (module names or absolute `.py` paths) every actor imports when it
@@ -242,17 +239,9 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
     Raises:
         PlacementError: a pool could not be placed in time. RoleError: an actor failed to start.
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     pairs = [p for p in weight_sync if p[0] in specs and p[1] in specs]
     _validate(pools, specs, colocate)
-    if mode == "disaggregated":
-        for unit in colocate:
-            for src, dst in pairs:
-                if src in unit and dst in unit:
-                    raise ValueError(f"disaggregated mode cannot fuse {src!r} and {dst!r} (colocate={tuple(unit)}); "
-                                     "use mode='colocated' or colocate them separately")
-    roles = Roles(run_name, mode)
+    roles = Roles(run_name)
     roles.weights = WeightSync(run_name, roles.groups, bucket_bytes=bucket_bytes,
                                timeout_s=weight_sync_timeout_s, verify=weight_sync_verify)
     try:

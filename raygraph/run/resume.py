@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raygraph.config.role_kinds import kind_of
+from raygraph.errors import CheckpointInvalid
 from raygraph.run import checkpoint
 
 __all__ = ["RESUMABLE", "ResumeError", "ResumePlan", "config_changes", "default_run_name", "plan", "record",
@@ -45,10 +47,9 @@ RESUMABLE = (
 )
 
 RESUMES = "resumes.jsonl"
-_TRAINED_ROLES = ("policy", "critic")  # optimizer state; every rank writes its shards into one dir
 
 
-class ResumeError(ValueError):
+class ResumeError(CheckpointInvalid, ValueError):
     """A resume with settings the checkpoint would override."""
 
 
@@ -124,7 +125,8 @@ def plan(cfg, run_dir: Path) -> ResumePlan | None:
     refused = {k: v for k, v in changes.items() if not _resumable(k)}
     if refused:
         listed = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in refused.items())
-        weights = (f"model.path={ckpt_dir / 'hf'} (its weights, fresh optimizer state)" if (ckpt_dir / "hf").is_dir()
+        tiny = "model.tiny=null " if cfg.model.tiny is not None else ""   # a tiny model's path is derived
+        weights = (f"{tiny}model.path={ckpt_dir / 'hf'} (its weights, fresh optimizer state)" if (ckpt_dir / "hf").is_dir()
                    else "(this checkpoint has no hf/ weights: checkpoint.save_hf was false)")
         raise ResumeError(
             f"cannot resume {ckpt_dir} with changed settings ({listed}). A resumed run keeps the model, "
@@ -150,13 +152,16 @@ def record(run_dir: Path, resumed: ResumePlan) -> None:
 
 
 def _role_state(roles, method: str, ckpt_dir: Path) -> None:
-    """save_checkpoint / load_checkpoint on every stateful role (rollout: its sampling RNG per rank)."""
+    """save_checkpoint / load_checkpoint on every stateful role, as its kind says
+    (`raygraph.config.role_kinds`): a trained role's shards into `<ckpt>/<role>/` (every rank
+    writes its own), a per-rank state (the rollout's sampling RNG) into `<ckpt>/<role>/rank<r>`."""
     for name in roles.names():
-        if name in _TRAINED_ROLES:
+        if kind_of(name).checkpoint == "shards":
             roles[name].call(method, str(ckpt_dir / name))
-    if "rollout" in roles.names():
-        group = roles.rollout
-        group.call_each(method, [(str(ckpt_dir / "rollout" / f"rank{r}"),) for r in range(group.world_size)])
+    for name in roles.names():
+        if kind_of(name).checkpoint == "ranks":
+            group = roles[name]
+            group.call_each(method, [(str(ckpt_dir / name / f"rank{r}"),) for r in range(group.world_size)])
 
 
 def save(ctx, roles, step: int, data, kl_ctl, weight_version: int) -> None:

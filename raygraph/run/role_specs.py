@@ -6,11 +6,16 @@ keyword arguments and never see the config object.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from raygraph.cluster import PoolSpec, RoleSpec
+from raygraph.config.role_kinds import kind_of, weight_sync_pairs
 from raygraph.models.lora import LoraSpec
 from raygraph.run.graphs import worker_classes
 
-__all__ = ["optimizer_steps_per_batch", "role_specs", "pools_for", "colocation"]
+__all__ = ["optimizer_steps_per_batch", "role_specs", "WORKER_ARGS", "PlacementPlan", "placement_plan", "pools_for"]
 
 
 def optimizer_steps_per_batch(cfg, section) -> int:
@@ -105,7 +110,9 @@ def _rollout_args(cfg) -> dict:
                 "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "top_k": r.top_k, "stop_token_ids": tuple(r.stop_token_ids)}
     if cfg.rollout_engine == "vllm":
-        return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization, "max_model_len": r.max_model_len,
+        longest = cfg.data.max_prompt_length + r.max_new_tokens   # what the run can send
+        return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization,
+                "max_model_len": r.max_model_len or longest,
                 "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
                 "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps,
                 **_lora_args(cfg)}
@@ -130,36 +137,92 @@ def _reward_args(cfg) -> dict:
             "timeout_s": reward.timeout_s, "on_error": reward.on_error, "plugins": tuple(cfg.plugins)}
 
 
+# Role kind (`raygraph.config.role_kinds`) -> its worker's constructor arguments, from (config, role name).
+WORKER_ARGS: dict[str, Callable[[Any, str], dict]] = {
+    "policy": lambda cfg, role: _policy_args(cfg),
+    "rollout": lambda cfg, role: _rollout_args(cfg),
+    "reference": lambda cfg, role: _reference_args(cfg),
+    "critic": lambda cfg, role: _critic_args(cfg),
+    "reward": lambda cfg, role: _reward_args(cfg),
+    "extra": _extra_role_args,
+}
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where a run's roles go, decided once from the config (`placement_plan`): role_specs,
+    `start_ray` (how many CPUs) and `build_roles` (pools, fused actors, weight syncs) read it.
+
+    Attributes:
+        pools: pool name -> `PoolSpec`.
+        roles: role -> (its pool, its number of ranks).
+        fused: tuples of roles whose rank i shares one actor process.
+        weight_sync: (src, dst) role pairs whose weights are synced after each update.
+    """
+
+    pools: dict[str, PoolSpec]
+    roles: dict[str, tuple[str, int]]
+    fused: tuple[tuple[str, ...], ...]
+    weight_sync: tuple[tuple[str, str], ...]
+
+    def weights_move(self, src: str, dst: str) -> str:
+        """How the weights of a synced pair move: "in_process" between fused roles (one actor holds
+        both), else "collective" (a bucketed broadcast over a collective group)."""
+        return "in_process" if any(src in unit and dst in unit for unit in self.fused) else "collective"
+
+
+def placement_plan(cfg, role_names: tuple[str, ...]) -> PlacementPlan:
+    """The placement of the roles a workflow binds (`worker_classes`): each role on its side's
+    pool and ranks (`RoleKind.side`; colocated: one shared pool, one rank per training rank),
+    or on the pool `placement.roles` names; roles of one side placed alike fuse into one actor
+    per rank (colocated: every such role), and the weight-sync pairs among them."""
+    p = cfg.placement
+    colocated = p.mode == "colocated"
+    side_pool = {"train": "main", "rollout": "main"} if colocated else {"train": "train", "rollout": "rollout"}
+    side_ranks = {"train": p.train_workers, "rollout": p.train_workers if colocated else p.rollout_workers}
+    mapping = p.roles if p.pools else {}
+    names = tuple(worker_classes(cfg, role_names))
+    roles = {}
+    for name in names:
+        side, extra = kind_of(name).side, cfg.extra_roles.get(name)
+        ranks = extra.workers if extra is not None and extra.workers else side_ranks[side]
+        roles[name] = (mapping.get(name, side_pool[side]), ranks)
+    return PlacementPlan(pools_for(cfg), roles, _fused(names, roles, side_pool), weight_sync_pairs(names))
+
+
+def _fused(names: tuple[str, ...], roles: dict[str, tuple[str, int]], side_pool: dict[str, str]):
+    """Per default pool (one colocated, one per side disaggregated), the roles placed like its
+    first role: one actor process per rank. A role given its own pool (`placement.roles`) or
+    other ranks has actors of its own."""
+    units = []
+    for pool in dict.fromkeys(side_pool.values()):
+        group = [r for r in names if side_pool[kind_of(r).side] == pool]
+        alike = tuple(r for r in group if roles[r] == roles[group[0]])
+        if len(alike) > 1:
+            units.append(alike)
+    return tuple(units)
+
+
 def role_specs(cfg, role_names: tuple[str, ...]) -> dict[str, RoleSpec]:
-    """RoleSpecs for the roles a workflow binds (plus the reference when a KL term is used)."""
-    colocated = cfg.placement.mode == "colocated"
-    train_world = cfg.placement.train_workers
-    rollout_world = train_world if colocated else cfg.placement.rollout_workers
-    train_pool, rollout_pool = ("main", "main") if colocated else ("train", "rollout")
-    layout = {  # role -> (worker arguments, ranks, pool, torch.distributed group)
-        "policy": (_policy_args, train_world, train_pool, True),
-        "critic": (_critic_args, train_world, train_pool, True),
-        # a frozen model needs a torch.distributed group only to be sharded: unsharded, its actor
-        # (when not fused with the policy's) can be restarted alone (stage-level recovery)
-        "reference": (_reference_args, train_world, train_pool, cfg.reference.shard),
-        "rollout": (_rollout_args, rollout_world, rollout_pool, False),
-        "reward": (_reward_args, rollout_world, rollout_pool, False),
-    }
-    for role, extra in cfg.extra_roles.items():   # a workflow's own frozen models, placed like the reference
-        layout[role] = (lambda c, r=role: _extra_role_args(c, r), extra.workers or train_world, train_pool,
-                        extra.shard)
-    mapping = cfg.placement.roles if cfg.placement.pools else {}
+    """RoleSpecs for the roles a workflow binds (plus the reference when a KL term is used), on
+    the pools and ranks of `placement_plan`. Trained roles run in a torch.distributed group; a
+    frozen model joins one only when sharded (`shard`): unsharded, its actor (when not fused
+    with the policy's) can be restarted alone (stage-level recovery)."""
+    plan = placement_plan(cfg, role_names)
     specs = {}
     for name, cls in worker_classes(cfg, role_names).items():
-        args, world, pool, distributed = layout[name]
-        specs[name] = RoleSpec(cls, args(cfg), world, mapping.get(name, pool), distributed=distributed)
+        kind = kind_of(name)
+        args = WORKER_ARGS[kind.name](cfg, name)
+        pool, ranks = plan.roles[name]
+        specs[name] = RoleSpec(cls, args, ranks, pool, distributed=kind.trained or args.get("shard", False))
     if cfg.model.lora is not None and "rollout" in specs:
         print(f"[raygraph] {_lora_sync(cfg)[1]}", flush=True)   # the sync mode, said once
     return specs
 
 
 def pools_for(cfg) -> dict[str, PoolSpec]:
-    """Resource pools: one shared pool when colocated, train + rollout pools when disaggregated."""
+    """The plan's resource pools: `placement.pools`, else one shared pool when colocated, train +
+    rollout pools when disaggregated."""
     p = cfg.placement
     if p.pools:
         return {name: PoolSpec(pool.bundles, pool.cpus_per_bundle, pool.gpus_per_bundle, pool.strategy)
@@ -168,22 +231,3 @@ def pools_for(cfg) -> dict[str, PoolSpec]:
         return {"main": PoolSpec(p.train_workers, p.cpus_per_worker, p.gpus_per_worker, p.strategy)}
     return {"train": PoolSpec(p.train_workers, p.cpus_per_worker, p.gpus_per_worker, p.strategy),
             "rollout": PoolSpec(p.rollout_workers, p.cpus_per_worker, p.gpus_per_worker, p.strategy)}
-
-
-def colocation(cfg, specs: dict[str, RoleSpec]) -> list[tuple[str, ...]]:
-    """Which roles share one actor process per rank: those of a group placed alike (same pool and
-    ranks as the group's first); a role given its own pool (`placement.roles`) has its own actors."""
-    extra = tuple(cfg.extra_roles)   # fused with the policy's ranks when placed like them
-    if cfg.placement.mode == "colocated":
-        groups = [("policy", "rollout", "reference", "critic", "reward", *extra)]
-    else:
-        groups = [("policy", "reference", "critic", *extra), ("rollout", "reward")]
-    units = []
-    for group in groups:
-        members = [r for r in group if r in specs]
-        if members:
-            first = specs[members[0]]
-            members = [r for r in members if (specs[r].pool, specs[r].world_size) == (first.pool, first.world_size)]
-        if len(members) > 1:
-            units.append(tuple(members))
-    return units

@@ -36,19 +36,20 @@ import ray
 
 from raygraph.cluster import RoleSpec
 from raygraph.cluster.restart import restart_actors, restartable
+from raygraph.config.role_kinds import kind_of
 from raygraph.run.recovery import Recoveries, failure_is_recoverable, lost_nodes
-from raygraph.workers.reference import ReferenceWorker
 
-__all__ = ["StageRunner", "STATELESS_ROLES", "stateless_roles"]
-
-STATELESS_ROLES = ("rollout", "reward", "reference")
-_TRAINED_ROLES = ("policy", "critic")
+__all__ = ["StageRunner", "stateless_roles"]
 
 
 def stateless_roles(specs: dict[str, RoleSpec]) -> tuple[str, ...]:
-    """The roles of `specs` that a restart loses nothing of: `STATELESS_ROLES`, and every frozen
-    model a workflow adds (`extra_roles`, played by `ReferenceWorker` like the reference)."""
-    return tuple(r for r, spec in specs.items() if r in STATELESS_ROLES or spec.factory is ReferenceWorker)
+    """The roles of `specs` that a restart loses nothing of: those whose kind restarts at stage
+    level (`raygraph.config.role_kinds`: rollout, reward, the reference, every `extra_roles`)."""
+    return tuple(r for r in specs if kind_of(r).restart == "stage")
+
+
+def _trained(roles: list[str]) -> list[str]:
+    return [r for r in roles if kind_of(r).trained]
 
 
 class StageRunner:
@@ -136,11 +137,11 @@ class StageRunner:
 
         The stage clocks of the trained roles' actors record each task when it ends, and an
         actor runs one task at a time, so asking for them waits for a running update to end."""
-        hosts = {id(a): a for role in _TRAINED_ROLES if role in self.roles.names()
-                 for a in self.roles[role].actors}
+        trained = _trained(self.roles.names())
+        hosts = {id(a): a for role in trained for a in self.roles[role].actors}
         refs = [a.take_stats.remote() for a in hosts.values()]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         if len(ready) < len(refs):
             return None
         labels = [label for stats in ray.get(refs) for label in stats["timings"]]
-        return any(label.split(".")[0] in _TRAINED_ROLES and "update" in label for label in labels)
+        return any(label.split(".")[0] in trained and "update" in label for label in labels)

@@ -34,7 +34,7 @@ def main() -> None:
              "rollout": RoleSpec(d.Rollout, {"seed": 0}, world_size=2, pool="gen"),
              "reward": RoleSpec(d.Reward, {}, world_size=1, pool="gen")}
     try:
-        with build_roles("multinode/run", pools, specs, mode="disaggregated", placement_timeout_s=60,
+        with build_roles("multinode/run", pools, specs, weight_sync=[("policy", "rollout")], placement_timeout_s=60,
                          weight_sync_timeout_s=30, bucket_bytes=300) as roles:
             first = roles.weights.sync_now()
             g = GraphBuilder.of(roles)

@@ -41,7 +41,7 @@ NODE = {"num_cpus": 1, "env_vars": ENV}   # a 1-CPU bundle fills a node: the 2 r
 
 
 def _overrides(out: Path, model: Path, data: Path) -> list[str]:
-    return [f"model.path={model}", "model.build_tiny=false", "run_name=node_loss", f"trainer.output_dir={out}",
+    return [f"model.path={model}", "model.tiny=null", "run_name=node_loss", f"trainer.output_dir={out}",
             f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
             "data.val_prompts=4", f"trainer.total_steps={STEPS}", "trainer.save_every=1", "checkpoint.keep_last=0",
             "logging.mlflow=false", "trainer.resume=auto", "trainer.max_restarts=2",

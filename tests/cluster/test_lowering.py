@@ -122,10 +122,8 @@ def test_build_roles_rejects_bad_layouts_before_touching_ray():
     pools = {"p": PoolSpec(bundles=2)}
     specs = {"policy": RoleSpec(dict, world_size=2, pool="p"), "rollout": RoleSpec(dict, world_size=2, pool="p"),
              "reward": RoleSpec(dict, world_size=1, pool="p")}
-    with pytest.raises(ValueError, match="disaggregated mode cannot fuse 'policy' and 'rollout'"):
-        build_roles("x", pools, specs, mode="disaggregated", colocate=[("policy", "rollout")])
     with pytest.raises(ValueError, match="must share pool and world_size"):
-        build_roles("x", pools, specs, mode="colocated", colocate=[("policy", "reward")])
+        build_roles("x", pools, specs, colocate=[("policy", "reward")])
     with pytest.raises(ValueError, match="unknown role 'critic'"):
         build_roles("x", pools, specs, colocate=[("policy", "critic")])
     with pytest.raises(ValueError, match="uses pool 'q'"):

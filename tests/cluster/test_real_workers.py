@@ -32,7 +32,7 @@ def layouts(real, tiny_model_path):
     out = {}
     try:
         for mode in ("colocated", "disaggregated"):
-            out[mode] = build_roles(f"test-real/{mode}", pools, specs, mode=mode,
+            out[mode] = build_roles(f"test-real/{mode}", pools, specs, weight_sync=[("policy", "rollout")],
                                     colocate=[("policy", "rollout")] if mode == "colocated" else [], bucket_bytes=64 << 10)
         yield out
     finally:

@@ -28,7 +28,7 @@ def layouts(dummies):
     out = {}
     try:
         for mode in ("colocated", "disaggregated"):
-            out[mode] = build_roles(f"test-runtime/{mode}", pools, _specs(dummies), mode=mode,
+            out[mode] = build_roles(f"test-runtime/{mode}", pools, _specs(dummies), weight_sync=[("policy", "rollout")],
                                     colocate=[("policy", "rollout")] if mode == "colocated" else [], placement_timeout_s=30,
                                     weight_sync_timeout_s=20, bucket_bytes=300)
         yield out
@@ -166,7 +166,7 @@ def test_killed_actor_surfaces_within_seconds(dummies):
     about rank 1 within seconds, not when rank 0 finishes."""
     pools = {"p": PoolSpec(bundles=2, cpus_per_bundle=0.5)}
     specs = {"policy": RoleSpec(dummies.Policy, {}, world_size=2, pool="p")}
-    with build_roles("test-runtime/kill", pools, specs, mode="disaggregated") as roles:
+    with build_roles("test-runtime/kill", pools, specs, weight_sync=[("policy", "rollout")]) as roles:
         g = GraphBuilder.of(roles)
         with InputNode() as prompts:
             dag = MultiOutputNode([g.gather(g.policy.bind("hang", prompts, seconds=60))])
@@ -185,7 +185,7 @@ def test_collective_member_missing_times_out_naming_it(dummies):
     pools = {"p": PoolSpec(bundles=3, cpus_per_bundle=0.5)}
     specs = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p"),
              "rollout": RoleSpec(dummies.Rollout, {}, world_size=2, pool="p")}
-    with build_roles("test-runtime/timeout", pools, specs, mode="disaggregated",
+    with build_roles("test-runtime/timeout", pools, specs, weight_sync=[("policy", "rollout")],
                      weight_sync_timeout_s=2) as roles:
         roles.rollout.actors[1].call.remote("rollout", "sleep", 8)   # rank 1 never joins in time
         start = time.monotonic()
@@ -200,7 +200,7 @@ def test_unverified_weight_sync_reaches_the_transport(dummies):
     pools = {"p": PoolSpec(bundles=2, cpus_per_bundle=0.5)}
     specs = {"policy": RoleSpec(dummies.Policy, {"seed": 0}, world_size=1, pool="p"),
              "rollout": RoleSpec(dummies.Rollout, {"seed": 1}, world_size=1, pool="p")}
-    with build_roles("test-runtime/unverified", pools, specs, mode="disaggregated", bucket_bytes=300,
+    with build_roles("test-runtime/unverified", pools, specs, weight_sync=[("policy", "rollout")], bucket_bytes=300,
                      weight_sync_verify=False) as roles:
         report = roles.weights.sync_now()
         assert report["weights/verified"] == 0.0 and report["weights/receivers"] == 1.0
@@ -221,7 +221,7 @@ def _stable(runs):
 def single_actor(dummies):
     """Policy, rollout and reward fused into one actor (colocated, one rank)."""
     pools = {"train": PoolSpec(bundles=1, cpus_per_bundle=1.0)}
-    with build_roles("test-runtime/fused", pools, _specs(dummies, 1, 1), mode="colocated",
+    with build_roles("test-runtime/fused", pools, _specs(dummies, 1, 1), weight_sync=[("policy", "rollout")],
                      colocate=[("policy", "rollout", "reward")], bucket_bytes=300) as roles:
         yield roles
 
@@ -306,7 +306,7 @@ def test_actor_threads_follow_its_cpu_share(dummies):
     with build_roles("test-runtime/threads", pools, alone) as roles:
         assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "2"
     shared = {**alone, "rollout": RoleSpec(dummies.Rollout, {}, world_size=1, pool="p")}
-    with build_roles("test-runtime/threads2", pools, shared, mode="disaggregated") as roles:
+    with build_roles("test-runtime/threads2", pools, shared, weight_sync=[("policy", "rollout")]) as roles:
         assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "1"
     with build_roles("test-runtime/threads3", pools, alone, env_vars={"OMP_NUM_THREADS": "3"}) as roles:
         assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "3"
