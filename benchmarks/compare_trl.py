@@ -64,10 +64,9 @@ ENGINE = "hf"   # raygraph's rollout engine here (--engine): TRL generates with 
 
 def raygraph_overrides(model_path: str, size: str, dtype: str) -> list[str]:
     # a real model's chat template adds a system prompt: the toy prompts are ~40 BPE tokens then
-    model = (["model.build_tiny=false", "data.max_prompt_length=128"] if size == "model"
-             else ["model.build_tiny=true", f"model.tiny_size={size}"])
+    model = ["data.max_prompt_length=128"] if size == "model" else []   # tiny sizes: built by build_tiny_lm
     engine = os.environ.get("RAYGRAPH_BENCH_ENGINE", ENGINE)
-    return [f"model.path={model_path}", *model, f"model.dtype={dtype}", f"rollout.engine={engine}",
+    return [f"model.path={model_path}", "model.tiny=null", *model, f"model.dtype={dtype}", f"rollout.engine={engine}",
             "data.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=16", "rollout.micro_batch_size=64",
             "actor.kl_loss_coef=0.04", "actor.kl_loss_kind=k3", "actor.mini_batch_size=64",
             "actor.micro_batch_size=64", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",

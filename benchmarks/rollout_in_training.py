@@ -4,7 +4,7 @@
         [--new-tokens N] [--hf] [--out /tmp/raygraph-bench/rollout-in-training] [key=value ...]
 
 1. Trains with `raygraph.run.trainer.run` on the config with `rollout.engine=vllm`,
-   `model.tiny_size=<size>` (built under `--out`, apart from the demo's model), no warm start, no
+   `model.tiny=<size>` (built under `--out`, apart from the demo's model), no warm start, no
    MLflow, `--steps` steps, plus any `key=value` overrides. From its metrics.jsonl, per step:
    `rollout/tokens / timing/rollout.generate_s`. `timing/rollout.generate_s` is the seconds the
    rollout actor spent in `VLLMRolloutWorker.generate` (Batch -> requests, one seeded request
@@ -41,7 +41,7 @@ def _config(args, engine: str = "vllm"):
 
     out = Path(args.out)
     overrides = {
-        "rollout.engine": engine, "model.tiny_size": args.size, "model.path": out / "runs" / "models" / args.size,
+        "rollout.engine": engine, "model.tiny": args.size,   # built at <out>/runs/models/tiny-<size>
         "data.train_files": f"[{out / 'data' / 'train.parquet'}]", "data.val_files": f"[{out / 'data' / 'val.parquet'}]",
         "trainer.warm_start": "null", "logging.mlflow": "false", "trainer.output_dir": out / "runs",
         "trainer.total_steps": args.steps, "trainer.val_every": 0, "trainer.save_every": 0,
@@ -117,7 +117,7 @@ def _median(figures: list[dict]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
-    parser.add_argument("--size", default="25m", help="model.tiny_size of the trained model")
+    parser.add_argument("--size", default="25m", help="model.tiny preset of the trained model")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, help="rollout.max_new_tokens (default: the config's)")
     parser.add_argument("--hf", action="store_true", help="also train with rollout.engine=hf")

@@ -141,21 +141,22 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _data_ok(cfg, config: str) -> bool:
     """Read the datasets and the tokenizer as `train` will, and report every data problem
-    (`raygraph.run.data_checks`). Data or a model that `train` builds (data.toy, model.build_tiny)
-    and that does not exist yet is said and skipped."""
+    (`raygraph.run.data_checks`). Data or a model that `train` builds (data.toy, model.tiny)
+    and that does not exist yet is said and skipped; a missing real model is a problem."""
     from raygraph.config.workflow_ref import load_workflow
     from raygraph.run.feed import StepData
-    from raygraph.run.setup import check_tiny_model_home
+    from raygraph.run.setup import check_model_path
 
     files = [*cfg.data.train_files, *cfg.data.val_files]
     tokenizer = cfg.model.tokenizer_path or cfg.model.path
     pending = [what for what, missing in (
         ("data.toy writes the data", cfg.data.toy is not None and not all(Path(f).is_file() for f in files)),
-        ("model.build_tiny builds the model", cfg.model.build_tiny and not Path(tokenizer).exists()))
+        ("model.tiny builds the model", cfg.model.tiny is not None and not Path(tokenizer).exists()))
         if missing]
+    if cfg.model.tiny is not None:
+        print(f"# model.path: {cfg.model.path} (derived from model.tiny={cfg.model.tiny}, so not written above)")
     try:
-        if cfg.model.build_tiny and not Path(cfg.model.path).exists():
-            check_tiny_model_home(cfg)
+        check_model_path(cfg)
     except FileNotFoundError as exc:
         print(f"model problem in {config}:\n  - {exc}", file=sys.stderr)
         return False
@@ -176,9 +177,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.overrides)
     if cfg is None:
         return EXIT_BAD_CONFIG
-    from raygraph.cluster import PlacementError, RoleError, WeightSyncError
+    from raygraph.errors import RaygraphError
     from raygraph.run import trainer
-    from raygraph.run.health import TrainingFailed
     from raygraph.run.stopping import RunStopped
 
     try:
@@ -186,12 +186,14 @@ def _train(args: argparse.Namespace) -> int:
     except RunStopped as exc:
         print(f"raygraph train: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except (PlacementError, RoleError, WeightSyncError, FileNotFoundError, ValueError, TrainingFailed) as exc:
+    except (RaygraphError, FileNotFoundError, ValueError) as exc:
         # Errors with a complete, actionable message: no traceback wall (RAYGRAPH_DEBUG=1 shows it).
+        # RaygraphError is the family raised on purpose (raygraph.errors); the plain ValueError /
+        # FileNotFoundError raises of the setup code are not all moved under it yet.
         if os.environ.get("RAYGRAPH_DEBUG"):
             raise
         print(f"raygraph train: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return exc.exit_code if isinstance(exc, RaygraphError) else EXIT_FAILED
     return 128 + summary.stop_signal if summary.stop_signal else EXIT_OK
 
 

@@ -110,7 +110,7 @@ def _fake_roles(layout: dict, *, collective: tuple[str, str] | None = None):
     from raygraph.cluster.roles import RoleGroup, Roles
     from raygraph.cluster.weight_sync import WeightSync
 
-    roles = Roles("fake", "disaggregated")
+    roles = Roles("fake")
     roles.weights = WeightSync("fake", roles.groups, bucket_bytes=1 << 20, timeout_s=5)
     roles.coordinator = _FakeActor("coordinator")
     actors: dict[str, _FakeActor] = {}

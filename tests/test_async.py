@@ -208,14 +208,14 @@ def test_workflow_without_an_async_dag_refuses_staleness(tmp_path):
 def shared_assets(tmp_path_factory):
     from raygraph.models.tiny import build_tiny_lm
 
-    root = tmp_path_factory.mktemp("assets")   # the model is built here: build_tiny builds only under output_dir
+    root = tmp_path_factory.mktemp("assets")   # a model of its own: the runs here give model.path (model.tiny=null)
     return {"model": build_tiny_lm(root / "tiny-lm"), "data": root / "toy"}
 
 
 def toy_overrides(assets, out_dir: Path, **extra) -> list[str]:
     data = assets["data"]
     overrides = {
-        "model.path": assets["model"], "data.train_files": f"[{data / 'train.parquet'}]",
+        "model.path": assets["model"], "model.tiny": "null", "data.train_files": f"[{data / 'train.parquet'}]",
         "data.val_files": f"[{data / 'val.parquet'}]", "trainer.output_dir": out_dir,
         "logging.mlflow": "false", "data.val_prompts": 8, **extra,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from raygraph.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = str(ROOT / "configs" / "grpo_toy.yaml")
+DEMO = str(ROOT / "configs" / "demo.yaml")
 
 # Runs `raygraph validate` in a fresh interpreter and fails if Ray was imported on the way.
 VALIDATE_WITHOUT_RAY = """
@@ -146,7 +148,7 @@ def test_train_names_a_tokenizer_without_chat_template_and_the_fix(tmp_path, cap
 
     model = build_tiny_lm(tmp_path / "base-model")
     (model / "chat_template.jinja").unlink()   # a base model: no chat template
-    code = main(["train", TOY, f"model.path={model}", "model.build_tiny=false",
+    code = main(["train", TOY, f"model.path={model}", "model.tiny=null",
                  f"trainer.output_dir={tmp_path / 'runs'}", "logging.mlflow=false",
                  f"data.train_files=[{tmp_path / 'toy' / 'train.parquet'}]",
                  f"data.val_files=[{tmp_path / 'toy' / 'val.parquet'}]"])
@@ -154,6 +156,26 @@ def test_train_names_a_tokenizer_without_chat_template_and_the_fix(tmp_path, cap
     assert code == 1, err
     assert f"the tokenizer at {model} has no chat template" in err and "data.apply_chat_template=false" in err
     assert "Traceback" not in err
+
+
+def test_the_demo_trains_from_another_folder_into_another_output_folder(tmp_path, monkeypatch, ray_local,
+                                                                       capsys):
+    # before: "model.path runs/models/tiny-lm does not exist" with any output folder but ./runs
+    from raygraph.config import load_config
+
+    cwd, out = tmp_path / "cwd", tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    code = main(["train", DEMO, f"trainer.output_dir={out}", "run_name=moved", "trainer.total_steps=1",
+                 "trainer.warm_start.steps=2", "data.val_prompts=8", "logging.mlflow=false"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    model = out / "models" / "tiny-tiny"
+    assert f"model.tiny=tiny: building a RANDOM-INIT tiny model at {model}" in captured.out
+    assert (model / "config.json").is_file() and not (cwd / "runs" / "models").exists()
+    run_dir = out / "demo" / "moved"
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert load_config(run_dir / "config.yaml").model.path == str(model)   # the resolved config loads back
 
 
 def test_model_import_names_a_missing_or_non_gguf_file(tmp_path, capsys):

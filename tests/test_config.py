@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import typing
 from pathlib import Path
 
 import pydantic
@@ -97,8 +98,61 @@ def test_attention_backends_match_the_loader():
 
 def test_tiny_sizes_match_the_factory():
     tiny = pytest.importorskip("raygraph.models.tiny")
-    allowed = schema_module.ModelConfig.model_fields["tiny_size"].annotation.__args__
-    assert set(allowed) == set(tiny.TINY_SIZES)
+    preset, none = typing.get_args(schema_module.ModelConfig.model_fields["tiny"].annotation)
+    assert set(typing.get_args(preset)) == set(tiny.TINY_SIZES) and none is type(None)
+
+
+# ---- the tiny model: named (model.tiny), its path derived from trainer.output_dir ------------------
+
+TINY = {**MINIMAL, "model": {"tiny": "tiny"}}
+
+
+def test_a_tiny_model_lives_under_the_output_dir_whatever_the_working_directory(tmp_path, monkeypatch):
+    # before: model.path runs/models/tiny-lm was built only if it lay under trainer.output_dir/models,
+    # so the demo stopped with "does not exist" for any other output folder or working directory
+    monkeypatch.chdir(tmp_path)
+    assert build_config(TINY).model.path == "runs/models/tiny-tiny"
+    cfg = build_config(TINY, ["trainer.output_dir=/data/elsewhere", "model.tiny=25m"])
+    assert cfg.model.path == "/data/elsewhere/models/tiny-25m"
+    shipped = load_config(ROOT / "configs" / "demo.yaml", [f"trainer.output_dir={tmp_path / 'out'}"])
+    assert shipped.model.path == str(tmp_path / "out" / "models" / "tiny-tiny")
+
+
+def test_the_resolved_config_leaves_the_derived_path_out_and_loads_back_under_another_output_dir():
+    cfg = build_config(TINY, ["trainer.output_dir=/a"])
+    resolved = yaml.safe_load(to_yaml(cfg))
+    assert resolved["model"]["tiny"] == "tiny" and "path" not in resolved["model"]
+    assert build_config(resolved) == cfg
+    assert build_config(resolved, ["trainer.output_dir=/b"]).model.path == "/b/models/tiny-tiny"
+    real = build_config(MINIMAL)
+    assert yaml.safe_load(to_yaml(real))["model"]["path"] == "m"    # a real model's path is always written
+
+
+def test_a_model_path_beside_model_tiny_is_refused_unless_it_is_the_derived_one():
+    # a path there would be a second spelling of the model: one that could be misspelt
+    [problem] = problems(TINY, ("model.path=runs/models/tiny-lm",))
+    assert problem == ("model.path='runs/models/tiny-lm' with model.tiny='tiny': a tiny model is built (or reused) "
+                       "at <trainer.output_dir>/models/tiny-tiny (runs/models/tiny-tiny), so leave model.path out; "
+                       "to train the model at runs/models/tiny-lm, set model.tiny=null")
+    assert problems(TINY, ("model.path=runs/models/tiny-tiny",)) == []   # what config.yaml once said
+    assert build_config(TINY, ("model.path=runs/models/tiny-lm", "model.tiny=null")).model.path == "runs/models/tiny-lm"
+
+
+def test_a_real_model_needs_a_path_and_the_message_names_model_tiny():
+    assert problems({**MINIMAL, "model": {"dtype": "float32"}}) == [
+        "model.path is required but missing (a HF model id or local directory; or model.tiny=<preset> for a "
+        "random-init tiny model, e.g. model.tiny=tiny)"]
+
+
+@pytest.mark.parametrize("key, value", [("build_tiny", True), ("tiny_size", "25m")])
+def test_the_keys_model_tiny_replaced_are_refused_with_the_new_spelling(tmp_path, key, value):
+    old = {**MINIMAL, "model": {"path": "runs/models/tiny-lm", key: value}}
+    [problem] = problems(old)
+    assert problem.startswith(f"model.{key} is not a field any more; did you mean model.tiny? ")
+    assert "model.tiny: <preset>" in problem and "model.tiny: null trains the model at model.path" in problem
+    [problem] = problems(MINIMAL, (f"model.{key}={value}",))
+    assert problem.startswith(f"override model.{key}={value}: model.{key} is not a field any more; did you mean "
+                              "model.tiny?")
 
 
 # ---- unknown keys: full dotted path and the closest key anywhere in the schema ----------------
@@ -305,6 +359,19 @@ def test_cross_field_check(overrides, message):
     assert len(found) == 1 and found[0].startswith(message), found
 
 
+def test_colocated_rollout_workers_follow_train_workers_unless_set():
+    # before: placement.train_workers=2 alone was refused (rollout_workers 1 != 2), colocated or not
+    assert build_config(MINIMAL, ["placement.train_workers=2"]).placement.rollout_workers == 2
+    shipped = load_config(ROOT / "configs" / "grpo_toy.yaml", ["placement.train_workers=2"])
+    assert shipped.placement.rollout_workers == 2
+    disaggregated = build_config(MINIMAL, ["placement.mode=disaggregated", "placement.train_workers=2"])
+    assert disaggregated.placement.rollout_workers == 1                      # own devices: its own count
+    assert build_config(yaml.safe_load(to_yaml(shipped))) == shipped         # written out, loads back
+    [problem] = problems(MINIMAL, ("placement.train_workers=2", "placement.rollout_workers=1"))
+    assert problem.endswith("must equal placement.train_workers (2); leave rollout_workers out to have it "
+                            "follow train_workers")
+
+
 def test_unset_advantage_becomes_the_workflows_default():
     # ppo's estimator is gae (per sample), so one sample per prompt is fine and a critic is used.
     cfg = build_config(MINIMAL, ["workflow=ppo", "rollout.n=1"])
@@ -443,12 +510,12 @@ def test_run_and_experiment_names_cannot_leave_the_output_dir(override):
 def test_auto_engine_is_vllm_for_real_models_and_hf_for_the_smallest_tiny_ones(monkeypatch):
     import importlib.util
 
-    assert build_config(MINIMAL, ["model.build_tiny=true"]).rollout_engine == "hf"        # tiny preset
+    assert build_config(TINY).rollout_engine == "hf"                                       # tiny preset
     assert build_config(MINIMAL, ["rollout.engine=hf"]).rollout_engine == "hf"
     real_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_spec(name, *a))
     assert build_config(MINIMAL).rollout_engine == "vllm"                                  # vLLM installed
-    assert build_config(MINIMAL, ["model.build_tiny=true", "model.tiny_size=25m"]).rollout_engine == "vllm"
+    assert build_config(TINY, ["model.tiny=25m"]).rollout_engine == "vllm"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_spec(name, *a))
     assert build_config(MINIMAL).rollout_engine == "hf"                                    # not installed
     [problem] = problems(MINIMAL, ("rollout.engine=vllm",))

@@ -333,7 +333,7 @@ def test_user_plugins_run_in_every_process_of_a_two_rank_run(tmp_path, monkeypat
         "plugins": "[my_cispo.py, e2e_extra.py]", "actor.policy_loss": "my_cispo", "algorithm.advantage": "e2e_grpo",
         "reward.function": "e2e_toy", "actor.ppo_epochs": 2, "placement.train_workers": 2,
         "placement.rollout_workers": 2, "data.prompts_per_step": 4, "model.path": tiny_model_path,
-        "model.build_tiny": "false", "data.train_files": "[data/train.parquet]", "data.val_files": "[data/val.parquet]",
+        "model.tiny": "null", "data.train_files": "[data/train.parquet]", "data.val_files": "[data/val.parquet]",
         "data.val_prompts": 4, "trainer.output_dir": "runs", "trainer.total_steps": 2, "trainer.dump_rollouts": 1,
         "logging.mlflow": "false", "checkpoint.save_hf": "false",
     }

@@ -20,8 +20,8 @@ from raygraph.workers.rollout_hf import HFRolloutWorker
 from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"model": {"path": "/nonexistent/tiny", "build_tiny": True, "lora": {"rank": 4}},
-        "data": {"train_files": "t.parquet"}, "trainer": {"total_steps": 1}}
+TINY = {"model": {"tiny": "tiny", "lora": {"rank": 4}},   # not built: /nonexistent/models/tiny-tiny
+        "data": {"train_files": "t.parquet"}, "trainer": {"total_steps": 1, "output_dir": "/nonexistent"}}
 
 
 def problems(*overrides: str, data: dict = TINY) -> list[str]:
@@ -95,7 +95,7 @@ def test_the_policy_and_the_vllm_engine_get_the_same_sync_mode():
     # no model config to inspect (not built yet): vLLM cannot be shown to serve it, merged weights
     mode, line = VLLMRolloutWorker.lora_sync_for("/nonexistent/tiny", spec)
     assert mode == "merged" and line.startswith("vLLM LoRA: merged weights because the model config")
-    cfg = build_config(TINY, ["rollout.engine=vllm", "model.build_tiny=true", "model.tiny_size=tiny"])
+    cfg = build_config(TINY, ["rollout.engine=vllm"])
     specs = role_specs(cfg, ("policy", "rollout", "reward"))
     assert specs["policy"].kwargs["lora_sync"] == specs["rollout"].kwargs["lora_sync"] == "merged"
     assert specs["rollout"].kwargs["lora"] == specs["policy"].kwargs["lora"]

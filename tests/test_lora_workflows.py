@@ -25,7 +25,7 @@ def _run(config: str, assets, out: Path, train_file: str = "train.parquet", **ex
     from raygraph.run.trainer import run
 
     data = assets["data"]
-    overrides = {"model.path": assets["model"], "model.build_tiny": "false", "data.train_files": f"[{data / train_file}]",
+    overrides = {"model.path": assets["model"], "model.tiny": "null", "data.train_files": f"[{data / train_file}]",
                  "data.val_files": f"[{data / 'val.parquet'}]", "trainer.output_dir": out, "logging.mlflow": "false",
                  "data.val_prompts": 8, "trainer.total_steps": 2, **LORA, **extra}
     summary = run(load_config(REPO / "configs" / config, [f"{k}={v}" for k, v in overrides.items()]))

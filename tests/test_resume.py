@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from raygraph.config import load_config
 from raygraph.run import checkpoint, resume
@@ -25,8 +26,7 @@ def out(tmp_path_factory) -> Path:
 
 
 def _cfg(out: Path, *overrides: str, run_name: str = "r"):
-    return load_config(TOY, [f"trainer.output_dir={out}", f"model.path={out / 'models' / 'tiny-lm'}",
-                             f"data.train_files=[{out / 'data' / 'train.parquet'}]",
+    return load_config(TOY, [f"trainer.output_dir={out}", f"data.train_files=[{out / 'data' / 'train.parquet'}]",
                              f"data.val_files=[{out / 'data' / 'val.parquet'}]",
                              f"run_name={run_name}", "trainer.resume=auto", *overrides])
 
@@ -53,7 +53,7 @@ def test_a_changed_learning_rate_is_refused_naming_key_values_and_the_way_out(ou
     assert "trainer.total_steps" not in message  # allowed
     assert "run_name=<new name> trainer.resume=never (this checkpoint has no hf/ weights" in message
     (ckpt / "hf").mkdir()
-    with pytest.raises(resume.ResumeError, match=re.escape(f"trainer.resume=never model.path={ckpt / 'hf'} (its")):
+    with pytest.raises(resume.ResumeError, match=re.escape(f"trainer.resume=never model.tiny=null model.path={ckpt / 'hf'} (its")):
         prepare_run(_cfg(out, "actor.optim.lr=0.01", run_name="lr"))
     assert (run_dir / "config.yaml").read_text() == "the config the run was started with\n"  # untouched
     assert not (run_dir / resume.RESUMES).exists()
@@ -71,6 +71,21 @@ def test_allowed_changes_are_applied_and_every_resume_is_recorded(out):
                                        "trainer.total_steps": {"checkpoint": 2, "now": 9},
                                        "trainer.val_every": {"checkpoint": 0, "now": 3}}
     assert entries[1]["overrides"] == {"trainer.total_steps": {"checkpoint": 2, "now": 12}}
+
+
+def test_a_tiny_model_run_resumes_into_another_output_dir(out, tmp_path):
+    """model.tiny's path is derived from trainer.output_dir (resumable), so it is not a changed setting:
+    config.yaml and the checkpoint's config leave it out and it is derived again where the run goes."""
+    first = prepare_run(_cfg(out, "logging.mlflow=false", run_name="moved"))
+    assert "path" not in yaml.safe_load((first.run_dir / "config.yaml").read_text())["model"]
+    ckpt = _checkpoint(first.cfg, 3)
+    elsewhere = tmp_path / "elsewhere"
+    ctx = prepare_run(_cfg(out, f"trainer.output_dir={elsewhere}", f"trainer.resume={ckpt}", "logging.mlflow=false",
+                           run_name="moved"))
+    assert ctx.resume.step == 3 and "model.path" not in ctx.resume.overrides
+    assert ctx.cfg.model.path == str(elsewhere / "models" / "tiny-tiny")
+    assert (elsewhere / "models" / "tiny-tiny" / "config.json").is_file()
+    assert load_config(ctx.run_dir / "config.yaml") == ctx.cfg     # the resolved config loads back as it was
 
 
 def test_every_resumable_key_names_a_setting():
@@ -158,17 +173,17 @@ def test_a_role_that_cannot_load_its_part_is_one_checkpoint_error(tmp_path):
         resume.restore(plan, _PolicyOnly(), None, None, seed=0)
 
 
-def test_toy_data_written_with_other_settings_is_refused_not_used(tmp_path):
+def test_toy_data_written_with_other_settings_is_refused_not_used(tmp_path, tiny_model_path):
     """Before: `make demo` after a grpo_toy run trained on grpo_toy's 60 problems (same folder)."""
     from raygraph.run.setup import ensure_assets
 
     data = tmp_path / "data"
     files = [f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]"]
-    small = load_config(TOY, [f"trainer.output_dir={tmp_path}", "model.build_tiny=false", *files])
+    model = [f"model.path={tiny_model_path}", "model.tiny=null"]
+    small = load_config(TOY, [f"trainer.output_dir={tmp_path}", *model, *files])
     ensure_assets(small)
     assert json.loads((data / "toy.json").read_text())["n_train"] == 60
     ensure_assets(small)   # the same settings: the files are used as they are
-    larger = load_config(TOY, [f"trainer.output_dir={tmp_path}", "model.build_tiny=false", "data.toy.n_train=80",
-                               *files])
+    larger = load_config(TOY, [f"trainer.output_dir={tmp_path}", *model, "data.toy.n_train=80", *files])
     with pytest.raises(ValueError, match=r"holds toy data written with data.toy=.*'n_train': 60.*delete"):
         ensure_assets(larger)

@@ -23,7 +23,7 @@ TOY = Path(__file__).resolve().parents[1] / "configs" / "grpo_toy.yaml"
 
 def _cfg(out: Path, total_steps: int, *extra: str):
     return load_config(TOY, [
-        f"trainer.output_dir={out}", f"model.path={out / 'models' / 'tiny-lm'}",
+        f"trainer.output_dir={out}",
         f"data.train_files=[{out / 'data' / 'train.parquet'}]", f"data.val_files=[{out / 'data' / 'val.parquet'}]",
         "data.val_prompts=8", "run_name=e2e", "trainer.resume=auto", f"trainer.total_steps={total_steps}",
         "trainer.save_every=2", "checkpoint.keep_last=0", "checkpoint.save_hf=false",

@@ -22,7 +22,7 @@ VLLM = {"rollout.engine": "vllm", "logging.mlflow": "false", "checkpoint.save_hf
 def assets(tmp_path_factory):
     from raygraph.models.tiny import build_tiny_lm
 
-    root = tmp_path_factory.mktemp("vllm-assets")   # built here: build_tiny builds only under output_dir/models
+    root = tmp_path_factory.mktemp("vllm-assets")   # a model of its own: the runs here give model.path (model.tiny=null)
     return {"model": build_tiny_lm(root / "tiny-lm"), "data": root / "toy"}
 
 
@@ -78,3 +78,22 @@ def test_disaggregated_async_vllm_trains_and_resumes_exactly(assets, tmp_path, r
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_length_mean",
                 "rollout/is_weight_mean", "weights/version"):
         assert resumed[2][key] == pytest.approx(whole[2][key], rel=1e-5, abs=1e-6), key
+
+
+# More prompt tokens than one vLLM scheduler step holds (4096 on the CPU build; toy prompts are 7
+# tokens): training 32 prompts x 20 samples = 4480, sampled validation 64 x 16 = 7168. Every row is
+# seeded; before issue 29 the CPU engine died at the first chunked prefill.
+BEYOND_ONE_BATCH = {"data.toy.n_train": 36, "data.toy.n_val": 64, "data.val_prompts": 64,
+                    "data.prompts_per_step": 32, "rollout.n": 20, "rollout.val_greedy": "false",
+                    "rollout.val_n": 16, "trainer.total_steps": 1, "actor.micro_batch_size": 64}
+
+
+def test_a_step_and_a_sampled_validation_beyond_one_scheduler_batch_run_on_the_cpu_engine(assets, tmp_path,
+                                                                                             ray_local):
+    from raygraph.run.trainer import run
+
+    own = {"model": assets["model"], "data": tmp_path / "toy"}   # a larger toy split than the module's
+    rows = _rows(run(_cfg(own, tmp_path / "out", **BEYOND_ONE_BATCH)))
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["rollout/samples"] == 640.0 and all(math.isfinite(v) for v in rows[0].values())
+    assert 0.0 <= rows[0]["val/pass@16"] <= 1.0

@@ -26,7 +26,7 @@ def shared_assets(tmp_path_factory):
 def toy_overrides(assets, out_dir: Path, train_file: str = "train.parquet", **extra) -> list[str]:
     data = assets["data"]
     overrides = {
-        "model.path": assets["model"], "data.train_files": f"[{data / train_file}]",
+        "model.path": assets["model"], "model.tiny": "null", "data.train_files": f"[{data / train_file}]",
         "data.val_files": f"[{data / 'val.parquet'}]", "trainer.output_dir": out_dir,
         "logging.mlflow": "false", "data.val_prompts": 8, "trainer.total_steps": 2, **extra,
     }
@@ -128,7 +128,8 @@ def my_build(roles, cfg):
         rollouts = roles.rollout.bind("generate", prompts)
         scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
         batch = roles.apply(whole_batch.use_rollout_logprobs, scored)
-        batch = roles.apply(whole_batch.compute_advantages, batch, prompts, estimator="dr_grpo")
+        batch = roles.apply(whole_batch.compute_advantages, batch, prompts, estimator="dr_grpo",
+                            gamma=1.0, lam=1.0, eps=1e-6, kl_kind="k1", old_from_rollout=False)
         update = roles.policy.bind("update", batch)
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update),
                                 roles.apply(whole_batch.rollout_metrics, batch)])

@@ -22,13 +22,14 @@ from raygraph.config.checks import config_problems
 from raygraph.config.schema import RaygraphConfig
 from raygraph.config.suggest import ANY_KEY, schema_tree, unknown_key_message
 from raygraph.config.workflow_ref import Workflow, WorkflowError, load_workflow
+from raygraph.errors import ConfigInvalid
 
 __all__ = ["ConfigError", "load_config", "build_config", "apply_overrides", "to_yaml"]
 
 KeyPath = tuple[str, ...]
 
 
-class ConfigError(Exception):
+class ConfigError(ConfigInvalid):
     """A config that cannot be used; `problems` holds one plain-language line per problem."""
 
     def __init__(self, problems: Iterable[str], source: str | None = None) -> None:
@@ -187,6 +188,11 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# A required key that another key can stand in for: said beside "is required but missing".
+_REQUIRED_UNLESS = {"model.path": " (a HF model id or local directory; or model.tiny=<preset> for a random-init "
+                                  "tiny model, e.g. model.tiny=tiny)"}
+
+
 def _describe(error: Mapping[str, Any], origins: Mapping[KeyPath, str]) -> str:
     """One pydantic error as a plain-language line."""
     loc, kind = tuple(error["loc"]), error["type"]
@@ -194,7 +200,7 @@ def _describe(error: Mapping[str, Any], origins: Mapping[KeyPath, str]) -> str:
     if kind == "extra_forbidden":
         text = unknown_key_message(schema_tree(RaygraphConfig), tuple(str(p) for p in loc))
     elif kind == "missing":
-        text = f"{path} is required but missing"
+        text = f"{path} is required but missing{_REQUIRED_UNLESS.get(path, '')}"
     elif kind in ("model_type", "model_attributes_type", "dict_type"):
         text = f"{path} must be a section (a mapping of keys), got {_show(error['input'])}"
     else:

@@ -12,12 +12,14 @@ code (`plugins`, `file.py:fn` references) are stored absolute, so every actor im
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from raygraph.algos import advantages
 from raygraph.algos.user_code import absolute_ref
+from raygraph.config.role_kinds import ROLES  # re-exported: the built-in role names
 from raygraph.config.section import Section
 from raygraph.config.training_schema import (
     ActorConfig,
@@ -38,11 +40,9 @@ __all__ = [
     "ActorConfig", "CriticConfig", "ReferenceConfig", "ExtraRoleConfig", "RewardConfig", "RemoteRewardConfig",
     "AlgorithmConfig", "RolloutCorrectionConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
     "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
-    "ROLES", "estimator_needs",
+    "ROLES", "estimator_needs", "tiny_model_dir",
 ]
 
-# Role names used by `placement.roles` and by the cluster layer.
-ROLES = ("policy", "rollout", "reference", "critic", "reward")
 
 
 def estimator_needs(name: str | None) -> frozenset[str]:
@@ -51,12 +51,32 @@ def estimator_needs(name: str | None) -> frozenset[str]:
     if name is None or name not in advantages.names():
         return frozenset()
     return advantages.requires(name)
+
+
+def tiny_model_dir(output_dir: str, preset: str) -> str:
+    """Where `model.tiny: <preset>` builds (or finds) its model: `<output_dir>/models/tiny-<preset>`."""
+    return str(Path(output_dir) / "models" / f"tiny-{preset}")
+
+
 Strategy = Literal["PACK", "SPREAD", "STRICT_SPREAD"]
 
 
 class ModelConfig(Section):
+    """The policy model: a real one at `path`, or a random-init tiny one named by `tiny`.
+
+    A tiny model is named, not pathed: `tiny: <preset>` builds it on first use (or reuses it) at
+    `<trainer.output_dir>/models/tiny-<preset>` (`tiny_model_dir`), which becomes `path`. So there is
+    no path to misspell, and a missing `path` is never replaced by a random model. The derived
+    `path` is left out of dumps (the resolved config.yaml), so a run's config loads back and
+    resumes under another output folder."""
+
     path: str = Field(description="HF model id or local directory of the policy (and default for "
-                                  "critic/reference/tokenizer).")
+                                  "critic/reference/tokenizer). Required unless model.tiny is set, which derives "
+                                  "it (<trainer.output_dir>/models/tiny-<preset>): leave it out then.")
+    tiny: Literal["tiny", "small", "25m", "100m", "500m"] | None = Field(
+        None, description="Train a random-init tiny model of this size preset (raygraph.models.tiny), for CPU "
+        "demos and tests: built on first use, or reused, at <trainer.output_dir>/models/tiny-<preset>. "
+        "null = a real model at model.path.")
     tokenizer_path: str | None = Field(None, description="Tokenizer id or directory; null = model.path.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype for every model of the run (bfloat16 on GPUs).")
@@ -64,16 +84,18 @@ class ModelConfig(Section):
         "auto", description="Attention backend; auto = flash_attention_2 when installed on a GPU, else sdpa.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
                                                             "(saves memory, costs ~30% time).")
-    build_tiny: bool = Field(False, description="Train a random-init tiny model (raygraph.models.tiny), for CPU "
-                                                "demos and tests: built at model.path if missing, which must then "
-                                                "lie under trainer.output_dir/models/ (a missing path elsewhere is "
-                                                "an error, never replaced by a random model).")
-    tiny_size: Literal["tiny", "small", "25m", "100m", "500m"] = Field(
-        "tiny", description="Size preset of the tiny model built when model.build_tiny is true.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (docs/lora.md): "
                                 "the base stays frozen, the reference is the policy with its adapter "
                                 "disabled (no reference model), and weight syncs move the adapter only "
                                 "(merged weights to the vLLM engine). null = full fine-tuning.")
+
+    @model_serializer(mode="wrap")
+    def _without_derived_path(self, handler):
+        """A tiny model's path is derived from trainer.output_dir: not written, derived again on load."""
+        data = handler(self)
+        if self.tiny is not None:
+            data.pop("path", None)
+        return data
 
 
 class ToyDataConfig(Section):
@@ -148,7 +170,9 @@ class RolloutConfig(Section):
         None, gt=0, le=1, description="vllm: share of GPU memory for weights + KV cache (on the CPU build: share "
         "of host RAM for the KV cache); null = 0.9 on GPU, 0.15 on CPU.")
     max_model_len: int | None = Field(None, ge=1, description="vllm: prompt + response tokens per request; "
-                                                              "null = the model's context length.")
+                                      "null = data.max_prompt_length + rollout.max_new_tokens, the longest request "
+                                      "a run sends (the model's own context, 8192 for SmolLM2, would size the KV "
+                                      "cache and, on the CPU build, every scheduler step for requests never sent).")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs per rollout engine (tensor parallel).")
     enforce_eager: bool = Field(True, description="vllm: no torch.compile / CUDA graphs (engine starts in "
                                                   "~15 s instead of ~45 s on CPU; decoding is slower on GPU).")
@@ -197,7 +221,9 @@ class PlacementConfig(Section):
         "colocated", description="colocated: every role shares the same devices, one rank per bundle; "
                                  "disaggregated: training and rollout run on separate devices.")
     train_workers: int = Field(1, ge=1, description="Data-parallel ranks of policy, critic and reference.")
-    rollout_workers: int = Field(1, ge=1, description="Rollout engine replicas.")
+    rollout_workers: int = Field(1, ge=1, description="Rollout engine replicas; unset = placement.train_workers "
+                                                      "in colocated mode (one engine beside each rank), 1 in "
+                                                      "disaggregated mode.")
     cpus_per_worker: float = Field(1.0, ge=0, description="CPUs per worker bundle (derived pools).")
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker bundle (derived pools); 0 = CPU.")
     strategy: Strategy = Field("PACK", description="Ray placement strategy of the derived pools.")
@@ -217,6 +243,15 @@ class PlacementConfig(Section):
     max_staleness: int = Field(0, ge=0, description="Rollouts may lag the policy by this many versions "
                                                     "(async pipelining); 0 = synchronous, 1 = the next "
                                                     "step's rollouts are sampled during this step's update.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_workers_follow_train_workers(cls, data):
+        """Colocated runs one engine per training rank: an unset rollout_workers is train_workers."""
+        if isinstance(data, dict) and data.get("rollout_workers") is None \
+                and data.get("mode", "colocated") == "colocated" and "train_workers" in data:
+            data = {**data, "rollout_workers": data["train_workers"]}
+        return data
 
 
 class WarmStartConfig(Section):
@@ -318,6 +353,26 @@ class RaygraphConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and progress.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tiny_model_path(cls, data):
+        """model.tiny names its model: an unset model.path is `tiny_model_dir(trainer.output_dir, tiny)`.
+        (A model.path given beside model.tiny is compared with it in `raygraph.config.checks`.)"""
+        if not isinstance(data, dict):
+            return data
+        model, trainer = data.get("model"), data.get("trainer")
+        tiny, path = (model.tiny, model.path) if isinstance(model, ModelConfig) else \
+            (model.get("tiny"), model.get("path")) if isinstance(model, dict) else (None, None)
+        if not isinstance(tiny, str) or path is not None:
+            return data
+        output_dir = trainer.output_dir if isinstance(trainer, TrainerConfig) else \
+            trainer.get("output_dir") if isinstance(trainer, dict) else None
+        if not isinstance(output_dir, str):
+            output_dir = TrainerConfig.model_fields["output_dir"].default
+        path = tiny_model_dir(output_dir, tiny)
+        model = model.model_copy(update={"path": path}) if isinstance(model, ModelConfig) else {**model, "path": path}
+        return {**data, "model": model}
+
     @field_validator("plugins", mode="before")
     @classmethod
     def _plugins(cls, value):
@@ -338,13 +393,6 @@ class RaygraphConfig(Section):
         return self.data.prompts_per_step * self.rollout.n
 
     @property
-    def spare_prompt_batches(self) -> int:
-        """Prompt batches the driver attaches to each step beyond the first: DAPO dynamic
-        sampling's extra generation rounds (`raygraph.graph.dapo.refill_prompts`), else 0."""
-        sampling = self.algorithm.dynamic_sampling
-        return sampling.max_extra_rounds if sampling.enabled else 0
-
-    @property
     def advantage_estimator(self) -> str | None:
         """algorithm.advantage; the config loader sets it to the workflow's default when unset,
         and it stays None for a workflow that computes no advantages (sft, dpo)."""
@@ -356,7 +404,7 @@ class RaygraphConfig(Section):
         engine = self.rollout.engine
         if engine != "auto":
             return engine
-        tiny = self.model.build_tiny and self.model.tiny_size in ("tiny", "small")
+        tiny = self.model.tiny in ("tiny", "small")
         return "vllm" if importlib.util.find_spec("vllm") is not None and not tiny else "hf"
 
     @property

@@ -4,7 +4,8 @@ The schema is flattened into a tree of key names (`*` stands for the free key of
 sections, e.g. `placement.pools.<name>`). An unknown key is compared with every known path by
 its last key (so `actor.lr` finds `actor.optim.lr` and `temprature` finds `rollout.temperature`);
 ties between equally close keys are broken by the similarity of the whole dotted path and by
-staying in the same section. Similarity is difflib's ratio.
+staying in the same section. Similarity is difflib's ratio. A key of an earlier version
+(`RETIRED`) is answered with the key that replaced it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ SYNONYMS = {
     "max_grad_norm": "grad_clip", "epochs": "ppo_epochs", "clip_ratio": "clip_low",
     "train_batch_size": "prompts_per_step", "total_training_steps": "total_steps", "steps": "total_steps",
     "max_steps": "total_steps", "num_steps": "total_steps", "model_name": "path", "model_name_or_path": "path",
+}
+# Keys of earlier raygraph versions: dotted path -> (the key that replaces it, how). Said instead
+# of a did-you-mean, which would only find a look-alike.
+RETIRED = {
+    "model.build_tiny": ("model.tiny", "model.tiny: <preset> builds a random-init tiny model at "
+                         "<trainer.output_dir>/models/tiny-<preset> (leave model.path out); model.tiny: null "
+                         "trains the model at model.path"),
+    "model.tiny_size": ("model.tiny", "the preset is now model.tiny: <preset>, which also turns the tiny model "
+                        "on (leave model.path out); model.tiny: null trains the model at model.path"),
 }
 _CUTOFF = 0.6  # minimum similarity of the last key for a suggestion (difflib's default)
 
@@ -129,6 +139,9 @@ def _closest(tree: Tree, path: tuple[str, ...]) -> str | None:
 def unknown_key_message(tree: Tree, path: tuple[str, ...]) -> str:
     """`a.b is not a field; did you mean a.c.b?` (or the valid keys where the path leaves the schema)."""
     dotted = ".".join(path)
+    if dotted in RETIRED:
+        key, how = RETIRED[dotted]
+        return f"{dotted} is not a field any more; did you mean {key}? {how}"
     suggestion = _closest(tree, path)
     if suggestion is not None:
         return f"{dotted} is not a field; did you mean {suggestion}?"

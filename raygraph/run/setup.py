@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from raygraph.models.tiny import build_tiny_lm, built_size
 from raygraph.run import resume
 from raygraph.run.resume import ResumePlan, default_run_name
 
-__all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "quiet_progress_bars"]
+__all__ = ["RunContext", "prepare_run", "start_ray", "ensure_assets", "check_model_path", "quiet_progress_bars"]
 
 log = logging.getLogger("raygraph")
 
@@ -44,20 +45,20 @@ class RunContext:
         return f"{self.cfg.experiment}/{self.run_name}"
 
 
-def tiny_model_home(cfg) -> Path:
-    """Where `model.build_tiny` may build: `<trainer.output_dir>/models/`."""
-    return Path(cfg.trainer.output_dir) / "models"
-
-
-def check_tiny_model_home(cfg) -> None:
-    """A missing `model.path` is built as a tiny model only inside `tiny_model_home`; anywhere
-    else it is taken for a real model that is not there (a typo), never silently replaced."""
-    home, path = tiny_model_home(cfg).resolve(), Path(cfg.model.path).resolve()
-    if home not in path.parents:
+def check_model_path(cfg) -> None:
+    """A real model (model.tiny null) at a local-looking path that does not exist is a typo or a
+    model not fetched yet: said now, before Ray starts, and never replaced by a random model."""
+    path = cfg.model.path
+    if cfg.model.tiny is None and _looks_local(path) and not Path(path).expanduser().exists():
         raise FileNotFoundError(
-            f"model.path {cfg.model.path} does not exist. model.build_tiny builds a random-init tiny model only "
-            f"under trainer.output_dir/models/ ({tiny_model_home(cfg)}/), never in place of a missing model "
-            "elsewhere: fix the path, set model.build_tiny=false, or point model.path into that folder")
+            f"model.path {path} does not exist (working directory {Path.cwd()}). A missing model is never "
+            "replaced by a random one: fix the path, or set model.tiny=<preset> (e.g. model.tiny=tiny, leaving "
+            "model.path out) to train a random-init tiny model")
+
+
+def _looks_local(path: str) -> bool:
+    """True unless `path` could be a Hugging Face hub id (`name` or `org/name`)."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path
 
 
 def _bundle_cpus(cfg) -> list[tuple[str, float]]:
@@ -82,18 +83,9 @@ def check_local_cpus(bundles: list[tuple[str, float]], machine_cpus: int) -> Non
 
 def ensure_assets(cfg) -> None:
     """Build the tiny model and write toy data when the config asks for them and they are missing."""
-    model_path = Path(cfg.model.path)
-    if cfg.model.build_tiny:
-        existing = built_size(model_path)
-        if existing is None:
-            check_tiny_model_home(cfg)
-            print(f"[raygraph] model.build_tiny: building a RANDOM-INIT tiny model ({cfg.model.tiny_size}) at "
-                  f"{model_path}; this run does not train a pretrained model", flush=True)
-            build_tiny_lm(model_path, size=cfg.model.tiny_size, seed=cfg.trainer.seed)
-        elif existing != cfg.model.tiny_size:
-            raise ValueError(f"model.path {model_path} holds a tiny model of size {existing!r}, not "
-                             f"model.tiny_size={cfg.model.tiny_size!r}: point model.path elsewhere "
-                             f"or delete that directory")
+    check_model_path(cfg)
+    if cfg.model.tiny is not None:
+        _ensure_tiny_model(cfg.model.tiny, Path(cfg.model.path), cfg.trainer.seed)
     toy = cfg.data.toy
     files = [*cfg.data.train_files, *cfg.data.val_files]
     if toy is not None:
@@ -102,6 +94,25 @@ def ensure_assets(cfg) -> None:
     if missing:
         raise FileNotFoundError(f"data files not found: {', '.join(missing)} "
                                 f"(make toy data with `raygraph data toy --out DIR`)")
+
+
+def _ensure_tiny_model(preset: str, path: Path, seed: int) -> None:
+    """Build the random-init tiny model `preset` at `path` (`model.tiny`), or reuse the one there."""
+    existing = built_size(path)
+    if existing is None:
+        print(f"[raygraph] model.tiny={preset}: building a RANDOM-INIT tiny model at {path}; this run does "
+              "not train a pretrained model", flush=True)
+        building = path.with_name(f".{path.name}.building-{os.getpid()}")   # whole or absent: runs may share it
+        build_tiny_lm(building, size=preset, seed=seed)
+        try:
+            building.rename(path)
+        except OSError:   # another run built it meanwhile: theirs is the same preset
+            shutil.rmtree(building, ignore_errors=True)
+    elif existing != preset:
+        raise ValueError(f"{path} holds a tiny model of size {existing!r}, not model.tiny={preset!r}: delete "
+                         "that directory to build it again")
+    else:
+        print(f"[raygraph] model.tiny={preset}: using the RANDOM-INIT tiny model at {path}", flush=True)
 
 
 def _ensure_toy_data(toy, out_dir: Path, files: list[str]) -> None:
@@ -143,6 +154,7 @@ def prepare_run(cfg) -> RunContext:
     """Create `<output_dir>/<experiment>/<run>/`, choose the checkpoint to resume (a refused
     resume stops here, before anything is written), write the resolved config, build local assets."""
     quiet_progress_bars()
+    check_model_path(cfg)   # before the run directory exists: a typo leaves nothing behind
     run_name = cfg.run_name
     if run_name is None:
         run_name, source = default_run_name()
@@ -162,7 +174,9 @@ def prepare_run(cfg) -> RunContext:
 
 def start_ray(cfg, address: str | None) -> None:
     """Join `address` / `trainer.ray_address` / `RAY_ADDRESS`, or start a local Ray instance."""
-    import ray
+    import ray  # here, not at the top: `raygraph validate` imports this module and never Ray
+
+    from raygraph.run.role_specs import pools_for  # imports Ray too
 
     if ray.is_initialized():
         return
@@ -181,10 +195,9 @@ def start_ray(cfg, address: str | None) -> None:
     # Ray starts workers at niceness 15 by default; on a busy machine the actors doing the compute
     # then lose the CPU to Ray's own daemons (measured in docs/benchmarks.md).
     os.environ.setdefault("RAY_worker_niceness", "0")
-    p = cfg.placement
-    workers = p.train_workers + (p.rollout_workers if p.mode == "disaggregated" else 0)
+    bundle_cpus = sum(pool.bundles * pool.cpus_per_bundle for pool in pools_for(cfg).values())
     # Logical CPUs may exceed physical cores so that small CPU layouts fit on a laptop.
-    num_cpus = max(os.cpu_count() or 1, int(workers * p.cpus_per_worker + 2))
+    num_cpus = max(os.cpu_count() or 1, int(bundle_cpus + 2))
     # address="local": always a fresh local instance, even if a `ray start` cluster runs here.
     context = ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, log_to_driver=True)
     if context.dashboard_url:

@@ -54,7 +54,7 @@ def test_the_run_feed_mixes_the_configured_files(tmp_path, tiny_model_path):
 
     write_toy_dataset(tmp_path / "a", n_train=8, n_val=4, seed=0)
     write_toy_dataset(tmp_path / "b", n_train=40, n_val=4, seed=1)
-    cfg = load_config(TOY, [f"model.path={tiny_model_path}", "model.build_tiny=false", "data.toy=null",
+    cfg = load_config(TOY, [f"model.path={tiny_model_path}", "model.tiny=null", "data.toy=null",
                             f"data.train_files=[{tmp_path}/a/train.parquet, {tmp_path}/b/train.parquet]",
                             "data.train_weights=[3, 1]", f"data.val_files=[{tmp_path}/a/val.parquet]"])
     data = StepData.load(cfg)

@@ -3,7 +3,10 @@ actors or placement groups behind; `ray job stop` checkpoints at a step boundary
 command with `trainer.resume=auto` finishes the run.
 
 Jobs use the repository as `working_dir` (as `ray job submit --working-dir .` does) and run the
-uploaded copy with `python -m raygraph.cli`; `python` is this venv's (the head's PATH).
+README's command in the uploaded copy: `raygraph train configs/grpo_toy.yaml
+trainer.output_dir=<absolute>/runs`, with no model or data path (the config's tiny model is built
+under the output folder; its toy data is written in the job's copy), plus a run name. `raygraph` is
+this venv's (the head's PATH).
 """
 
 from __future__ import annotations
@@ -39,19 +42,21 @@ def client(head) -> JobSubmissionClient:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """Outputs, the tiny model and the toy data of every job here (absolute paths: the job's
-    own working directory is a temporary copy of the repository on the head)."""
+    """The `$PWD` of the README's command: outputs and the tiny model of every job here (absolute
+    paths: the job's own working directory is a temporary copy of the repository on the head)."""
     return tmp_path_factory.mktemp("ray_jobs")
 
 
 def _train_command(work: Path, run_name: str, *overrides: str) -> str:
-    args = ["python", "-m", "raygraph.cli", "train", "configs/grpo_toy.yaml", f"run_name={run_name}",
-            f"trainer.output_dir={work / 'runs'}", f"model.path={work / 'runs' / 'models' / 'tiny-lm'}",
-            f"data.train_files=[{work / 'data' / 'train.parquet'}]",
-            f"data.val_files=[{work / 'data' / 'val.parquet'}]",
-            "data.toy.n_train=60", "data.toy.n_val=20", "logging.mlflow=false", "trainer.resume=auto",
-            *overrides]
+    """The README's `raygraph train configs/grpo_toy.yaml trainer.output_dir=$PWD/runs`, named."""
+    args = ["raygraph", "train", "configs/grpo_toy.yaml", f"trainer.output_dir={work / 'runs'}",
+            f"run_name={run_name}", *overrides]
     return shlex.join(args)
+
+
+def _data(work: Path) -> list[str]:
+    """Toy data outside the job's copy, so that a resumed job (a new copy) reads the same files."""
+    return [f"data.train_files=[{work / 'data' / 'train.parquet'}]", f"data.val_files=[{work / 'data' / 'val.parquet'}]"]
 
 
 def _submit(client: JobSubmissionClient, entrypoint: str, timeout_s: float = 60.0) -> str:
@@ -138,11 +143,15 @@ def _steps(logs: str) -> list[int]:
 
 
 def test_job_succeeds_and_leaves_nothing_behind(head, client, workdir):
-    job = _submit(client, _train_command(workdir, "two-steps", "trainer.total_steps=2",
-                                         "trainer.executor=interpreted", "trainer.profile=true"))
+    # before model.tiny: "model.path runs/models/tiny-lm does not exist" (relative to the job's copy,
+    # so not under trainer.output_dir/models, where alone a tiny model was built)
+    job = _submit(client, _train_command(workdir, "two-steps", "trainer.profile=true"))   # 2 steps (the config)
     status = _wait_done(client, job)
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    model = workdir / "runs" / "models" / "tiny-tiny"
+    assert f"model.tiny=tiny: building a RANDOM-INIT tiny model at {model}" in logs
+    assert (model / "config.json").is_file()
 
     run_dir = workdir / "runs" / EXPERIMENT / "two-steps"
     assert f"[raygraph] run directory: {run_dir}" in logs
@@ -167,7 +176,8 @@ def test_job_succeeds_and_leaves_nothing_behind(head, client, workdir):
 def test_stop_checkpoints_then_resume_finishes(head, client, workdir):
     run_name = "stop-resume"
     run_dir = workdir / "runs" / EXPERIMENT / run_name
-    job = _submit(client, _train_command(workdir, run_name, "trainer.total_steps=1000", "trainer.save_every=0"))
+    job = _submit(client, _train_command(workdir, run_name, *_data(workdir), "logging.mlflow=false",
+                                         "trainer.resume=auto", "trainer.total_steps=1000", "trainer.save_every=0"))
     _wait_log(client, job, r"^\[raygraph\] step 3/1000 ")
     assert 'experiment="grpo_toy"' in _wait_gauge(head, run_name)  # the dashboard's Metrics view
     assert client.stop_job(job)
@@ -188,7 +198,8 @@ def test_stop_checkpoints_then_resume_finishes(head, client, workdir):
 
     # The same command, resumed (trainer.resume=auto) and ending two steps later.
     end = stopped_at + 2
-    job = _submit(client, _train_command(workdir, run_name, f"trainer.total_steps={end}"))
+    job = _submit(client, _train_command(workdir, run_name, *_data(workdir), "logging.mlflow=false",
+                                         "trainer.resume=auto", f"trainer.total_steps={end}"))
     status = _wait_done(client, job)
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-4000:]

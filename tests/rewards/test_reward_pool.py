@@ -184,7 +184,7 @@ def test_a_run_logs_each_weighted_function(world, tmp_path, monkeypatch, tiny_mo
     data = yaml.safe_load((REPO / "configs" / "grpo_toy.yaml").read_text())
     data.update(yaml.safe_load(doc_blocks()["rewards.yaml"]))
     overrides = {
-        "model.path": tiny_model_path, "model.build_tiny": "false", "data.train_files": "[data/train.parquet]",
+        "model.path": tiny_model_path, "model.tiny": "null", "data.train_files": "[data/train.parquet]",
         "data.val_files": "[data/val.parquet]", "data.prompts_per_step": 2, "data.val_prompts": 2,
         "trainer.output_dir": "runs", "trainer.total_steps": 2, "logging.mlflow": "false",
         "checkpoint.save_hf": "false", "placement.train_workers": world, "placement.rollout_workers": world,

@@ -36,7 +36,7 @@ def toy_data(tmp_path_factory):
 
 
 def _cfg(tmp_path: Path, model: str, data: Path, run_name: str, *extra: str):
-    return load_config(TOY, [f"model.path={model}", "model.build_tiny=false", f"run_name={run_name}",
+    return load_config(TOY, [f"model.path={model}", "model.tiny=null", f"run_name={run_name}",
                              f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
                              f"trainer.output_dir={tmp_path}", f"trainer.total_steps={STEPS}",
                              "trainer.save_every=1", "checkpoint.keep_last=0", "checkpoint.save_hf=true",

@@ -24,7 +24,7 @@ def _row(i: int, source: str = "toy_arith", truth: str | None = "7") -> dict:
 
 def _validate(tmp_path, model: str, rows: list[dict], *overrides: str) -> int:
     train = write_rows(rows, tmp_path / "train.parquet")
-    return main(["validate", TOY, f"model.path={model}", "model.build_tiny=false", f"data.train_files=[{train}]",
+    return main(["validate", TOY, f"model.path={model}", "model.tiny=null", f"data.train_files=[{train}]",
                  "data.val_files=[]", "trainer.val_every=0", "data.prompts_per_step=4",
                  f"trainer.output_dir={tmp_path / 'runs'}", *overrides])
 
@@ -53,7 +53,7 @@ def test_a_named_reward_function_needs_no_per_source_reward(tmp_path, tiny_model
 def test_an_empty_parquet_file_is_named_as_such(tmp_path, tiny_model_path, capsys):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
-    code = main(["validate", TOY, f"model.path={tiny_model_path}", "model.build_tiny=false",
+    code = main(["validate", TOY, f"model.path={tiny_model_path}", "model.tiny=null",
                  f"data.train_files=[{empty}]", "data.val_files=[]", "trainer.val_every=0"])
     assert code == 2
     assert f"data file {empty} is empty (0 rows)" in capsys.readouterr().err
@@ -73,38 +73,59 @@ def test_a_pad_id_outside_the_vocabulary_is_caught(tmp_path, tiny_model_path, ca
     assert "the tokenizer's pad id 93 is outside the model's vocabulary (93 ids" in err
 
 
-def test_build_tiny_never_replaces_a_misspelt_model_path(tmp_path, capsys):
-    # before: the misspelt path was built as a random model and trained, exit 0
-    typo = tmp_path / "my-modle"
+def test_a_misspelt_model_path_fails_clearly_and_never_builds_a_random_model(tmp_path, capsys):
+    # before model.tiny: a misspelt path under the output folder was built as a random model
+    typo = tmp_path / "runs" / "models" / "my-modle"
     code = main(["validate", TOY, f"model.path={typo}", f"trainer.output_dir={tmp_path / 'runs'}"])
-    assert code == 2
+    assert code == 2           # the toy config names a tiny model: a path beside it is a second spelling
+    assert f"model.path='{typo}' with model.tiny='tiny': a tiny model is built (or reused) at " in \
+        capsys.readouterr().err
+    real = [f"model.path={typo}", "model.tiny=null", f"trainer.output_dir={tmp_path / 'runs'}"]
+    assert main(["validate", TOY, *real]) == 2
+    assert f"model.path {typo} does not exist (working directory " in capsys.readouterr().err
+    code = main(["train", TOY, *real, "logging.mlflow=false"])
     err = capsys.readouterr().err
-    assert f"model.path {typo} does not exist. model.build_tiny builds a random-init tiny model only under " \
-           "trainer.output_dir/models/" in err
-    code = main(["train", TOY, f"model.path={typo}", f"trainer.output_dir={tmp_path / 'runs'}",
-                 "logging.mlflow=false"])
-    assert code == 1 and not typo.exists()
-    assert "FileNotFoundError: model.path" in capsys.readouterr().err
+    assert code == 1 and f"FileNotFoundError: model.path {typo} does not exist" in err, err
+    assert "never replaced by a random one" in err and "Traceback" not in err
+    assert not typo.exists() and not (tmp_path / "runs").exists()    # no model, no run directory
 
 
-def test_build_tiny_builds_under_the_output_dir_and_says_so_loudly(tmp_path, capsys):
+def test_a_hub_id_is_not_taken_for_a_missing_directory(tmp_path):
+    from raygraph.config import load_config
+    from raygraph.run.setup import check_model_path
+
+    for hub_id in ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2"):
+        check_model_path(load_config(TOY, [f"model.path={hub_id}", "model.tiny=null"]))
+    for local in ("./my-model", "runs/models/my-model", str(tmp_path / "m"), "~/models/m"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            check_model_path(load_config(TOY, [f"model.path={local}", "model.tiny=null"]))
+
+
+def test_model_tiny_builds_under_the_output_dir_and_says_so_loudly(tmp_path, capsys):
     from raygraph.config import load_config
     from raygraph.run.setup import ensure_assets
 
-    home = tmp_path / "runs" / "models" / "tiny-lm"
-    cfg = load_config(TOY, [f"model.path={home}", f"trainer.output_dir={tmp_path / 'runs'}",
+    cfg = load_config(TOY, [f"trainer.output_dir={tmp_path / 'runs'}",
                             f"data.train_files=[{tmp_path / 'd' / 'train.parquet'}]",
                             f"data.val_files=[{tmp_path / 'd' / 'val.parquet'}]"])
     ensure_assets(cfg)
-    assert (home / "config.json").is_file()
-    assert "building a RANDOM-INIT tiny model (tiny)" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "models" / "tiny-tiny" / "config.json").is_file()
+    assert "model.tiny=tiny: building a RANDOM-INIT tiny model at" in capsys.readouterr().out
+    ensure_assets(cfg)
+    assert "model.tiny=tiny: using the RANDOM-INIT tiny model at" in capsys.readouterr().out
+    small = load_config(TOY, [f"trainer.output_dir={tmp_path / 'runs'}", "model.tiny=small"])
+    (tmp_path / "runs" / "models" / "tiny-small").mkdir()
+    (tmp_path / "runs" / "models" / "tiny-tiny" / "config.json").rename(
+        tmp_path / "runs" / "models" / "tiny-small" / "config.json")   # a folder holding another preset
+    with pytest.raises(ValueError, match=r"tiny-small holds a tiny model of size 'tiny', not model.tiny='small'"):
+        ensure_assets(small)
 
 
 @pytest.mark.parametrize("bad", ["not parquet at all"])
 def test_a_file_that_is_not_parquet_is_named(tmp_path, tiny_model_path, capsys, bad):
     path = tmp_path / "train.parquet"
     path.write_text(bad)
-    code = main(["validate", TOY, f"model.path={tiny_model_path}", "model.build_tiny=false",
+    code = main(["validate", TOY, f"model.path={tiny_model_path}", "model.tiny=null",
                  f"data.train_files=[{path}]", "data.val_files=[]", "trainer.val_every=0"])
     assert code == 2
     assert f"data file {path} is not a readable parquet file" in capsys.readouterr().err

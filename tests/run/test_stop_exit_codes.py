@@ -20,7 +20,7 @@ TOY = str(ROOT / "configs" / "grpo_toy.yaml")
 def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     out = tmp_path / "runs"
     args = [sys.executable, "-m", "raygraph.cli", "train", TOY, "run_name=stopped",
-            f"trainer.output_dir={out}", f"model.path={out / 'models' / 'tiny-lm'}",
+            f"trainer.output_dir={out}",
             f"data.train_files=[{tmp_path / 'toy' / 'train.parquet'}]",
             f"data.val_files=[{tmp_path / 'toy' / 'val.parquet'}]", "logging.mlflow=false",
             "trainer.total_steps=1000", *overrides]
