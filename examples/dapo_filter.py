@@ -16,14 +16,15 @@ refill the batch.
 The shipped `grpo` workflow does the same with `algorithm.dynamic_sampling.enabled=true`, and
 also refills the batch as the paper does, with up to `max_extra_rounds` more generation rounds
 from the next prompts of the data order (`raygraph.graph.fragments.shape_rollouts` shows that
-loop: `dapo.refill_prompts` and `dapo.add_round`); this file shows the pieces. Use it with `workflow: examples/dapo_filter.py:build` in any RL config, and
+loop: `dapo.refill_prompts` and `dapo.add_round`); this file shows the pieces. Use it with
+`workflow: examples/dapo_filter.py:build` in any RL config, and
 `workflow_args.metric=score` to filter on the summed score instead of the reward's `acc`.
 """
 
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, dapo, whole_batch
-from raygraph.graph.fragments import rollout_columns
+from raygraph.graph.fragments import advantages, rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")   # group-relative estimators: a kept group is self-contained
@@ -34,8 +35,7 @@ def build(roles, cfg, *, metric: str = "acc"):
         rollouts = roles.rollout.bind("generate", prompts)
         scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
         kept = roles.apply(dapo.filter_groups, scored, metric=metric)
-        batch = roles.apply(whole_batch.compute_advantages, kept, prompts, estimator=cfg.advantage_estimator,
-                            old_from_rollout=cfg.old_logprobs_source == "rollout", eps=cfg.algorithm.norm_eps)
+        batch = advantages(roles, cfg, kept, prompts)
         update = roles.policy.bind("update", batch)
         metrics = [roles.apply(whole_batch.rollout_metrics, scored), roles.apply(dapo.shaping_metrics, kept)]
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update), *metrics])

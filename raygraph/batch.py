@@ -28,7 +28,8 @@ __all__ = [
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
     "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "RESPONSE_TEXT", "EXTRA_INFO",
-    "NEXT_PROMPTS", "pad_right",
+    "NEXT_PROMPTS", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
+    "pad_right",
 ]
 
 # --- tensor columns -------------------------------------------------------------------------
@@ -66,6 +67,12 @@ EXTRA_INFO = "extra_info"
 
 # --- meta keys set by the driver --------------------------------------------------------------
 NEXT_PROMPTS = "next_prompts"  # async pipelining: {uids of a rank's share now: its share next step}
+# A step may generate from more prompts than its own batch: the driver attaches the batches that
+# follow in the data order (as many as the step graph reads, `raygraph.graph.report`), and the
+# batch a step trains on says in `meta[PROMPT_BATCHES_USED]` how many it used (1 = its own only);
+# the driver puts the unused ones back in the data order.
+EXTRA_PROMPTS = "extra_prompts"             # prompts.meta: [Batch, ...] the extra prompt batches, in data order
+PROMPT_BATCHES_USED = "prompt_batches_used"  # batch.meta: int, prompt batches the rows came from
 
 
 def _as_object_array(values: Iterable[Any]) -> np.ndarray:
@@ -287,3 +294,23 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     if t.shape[1] == width:
         return t
     return torch.nn.functional.pad(t, (width - t.shape[1], 0))
+
+
+def extra_prompt_batch(prompts: Batch, index: int) -> Batch:
+    """The `index`-th (1, 2, ...) extra prompt batch the driver attached to the step's `prompts`
+    (`meta[EXTRA_PROMPTS]`), with the step's own meta and no extra batches in it."""
+    extra = prompts.meta.get(EXTRA_PROMPTS) or []
+    if not 1 <= index <= len(extra):
+        raise ValueError(f"extra prompt batch {index} was asked for, but the driver attached {len(extra)}: a graph "
+                         "that reads extra prompt batches must be built with the step's InputNode")
+    batch = extra[index - 1]
+    return Batch(dict(batch.tensors), dict(batch.non_tensors), without_extra_prompts(prompts).meta)
+
+
+def without_extra_prompts(prompts: Batch) -> Batch:
+    """`prompts` without the extra prompt batches in its meta (only `extra_prompt_batch` reads
+    them; every shard and result of the step would otherwise carry them along)."""
+    if EXTRA_PROMPTS not in prompts.meta:
+        return prompts
+    meta = {k: v for k, v in prompts.meta.items() if k != EXTRA_PROMPTS}
+    return Batch(dict(prompts.tensors), dict(prompts.non_tensors), meta)

@@ -13,15 +13,26 @@ import numpy as np
 import pytest
 import torch
 
-from raygraph.batch import TOKEN_LEVEL_SCORES, UID, Batch
-from raygraph.config import ConfigError, load_config
+from raygraph.batch import (
+    EXTRA_PROMPTS,
+    PROMPT_BATCHES_USED,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    Batch,
+    without_extra_prompts,
+)
+from raygraph.config import load_config
+from raygraph.config.workflow_ref import load_workflow
 from raygraph.data import ResumableSampler
-from raygraph.graph import dapo
+from raygraph.graph import GraphBuildError, dapo
+from raygraph.graph.report import graph_facts
 from raygraph.run.feed import StepData
+from raygraph.run.graphs import build_graphs
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "configs" / "grpo_toy.yaml"
 ACC = "reward_extra.acc"
+ROUNDS = "rollout/gen_rounds"
 
 
 def _scored(uids: str, acc: list[int]) -> Batch:
@@ -38,19 +49,19 @@ def _prompts(uids: str) -> Batch:
 def test_rounds_refill_the_batch_up_to_the_target_then_stop():
     # target 2 groups. Round 0: a (1,0) varies, b (1,1) does not -> 1 kept.
     prompts = _prompts("ab")
-    prompts.meta.update(step=3, **{dapo.SPARE_PROMPTS: [_prompts("cde"), _prompts("fg")]})
+    prompts.meta.update(step=3, **{EXTRA_PROMPTS: [_prompts("cde"), _prompts("fg")]})
     kept = dapo.filter_groups(_scored("aabb", [1, 0, 1, 1]), metric="acc", max_groups=2)
-    assert list(kept[UID]) == ["a", "a"] and kept.meta["gen_rounds"] == 1
-    # round 1 is needed: the first spare batch, with the step's meta but not the spares
+    assert list(kept[UID]) == ["a", "a"] and kept.meta[PROMPT_BATCHES_USED] == 1
+    # round 1 is needed: the first extra batch, with the step's meta but not the extra batches
     first = dapo.refill_prompts(prompts, kept, round=1, target=2)
     assert list(first[UID]) == ["c", "d", "e"] and first.meta == {"step": 3}
-    # the first round samples from the step's prompts without the spares riding in their meta
-    assert dapo.without_spares(prompts).meta == {"step": 3} and dapo.SPARE_PROMPTS in prompts.meta
+    # the first round samples from the step's prompts without the extra batches riding in their meta
+    assert without_extra_prompts(prompts).meta == {"step": 3} and EXTRA_PROMPTS in prompts.meta
     # its groups c (0,1) and e (1,0) vary, d (0,0) does not: only c fits (trimmed to the target)
     kept = dapo.add_round(kept, _scored("ccddee", [0, 1, 0, 0, 1, 0]), metric="acc", target=2)
     assert list(kept[UID]) == ["a", "a", "c", "c"]
-    assert {k: kept.meta[k] for k in ("groups_total", "groups_kept", "gen_rounds", "sampled_rows")} == \
-        {"groups_total": 5, "groups_kept": 2, "gen_rounds": 2, "sampled_rows": 10}
+    assert {k: kept.meta[k] for k in ("groups_total", "groups_kept", PROMPT_BATCHES_USED, "sampled_rows")} == \
+        {"groups_total": 5, "groups_kept": 2, PROMPT_BATCHES_USED: 2, "sampled_rows": 10}
     # round 2 is not needed: no prompts, so nothing is generated, and nothing changes
     second = dapo.refill_prompts(prompts, kept, round=2, target=2)
     assert len(second) == 0 and second.columns() == ["prompt_ids", UID]
@@ -58,9 +69,9 @@ def test_rounds_refill_the_batch_up_to_the_target_then_stop():
     assert dapo.add_round(kept, empty, metric="acc", target=2) is kept
     metrics = dapo.shaping_metrics(kept)
     # 5 of the 10 sampled rows scored 1: reward/sampled_mean 0.5; 3 groups filtered
-    assert metrics[dapo.ROUNDS_METRIC] == 2 and metrics["reward/sampled_mean"] == 0.5
+    assert metrics[ROUNDS] == 2 and metrics["reward/sampled_mean"] == 0.5
     assert metrics["rollout/groups_filtered"] == 3 and metrics["rollout/train_rows"] == 4
-    with pytest.raises(ValueError, match="round 3 has no prompts"):
+    with pytest.raises(ValueError, match="extra prompt batch 3 was asked for, but the driver attached 2"):
         dapo.refill_prompts(prompts, kept, round=3, target=2)
 
 
@@ -68,7 +79,7 @@ def test_an_empty_kept_batch_takes_the_next_round_whole():
     kept = dapo.filter_groups(_scored("aabb", [1, 1, 0, 0]), metric="acc", max_groups=2)
     assert len(kept) == 0
     kept = dapo.add_round(kept, _scored("ccdd", [1, 0, 0, 1]), metric="acc", target=2)
-    assert list(kept[UID]) == list("ccdd") and kept.meta["groups_kept"] == 2 and kept.meta["gen_rounds"] == 2
+    assert list(kept[UID]) == list("ccdd") and kept.meta["groups_kept"] == 2 and kept.meta[PROMPT_BATCHES_USED] == 2
     assert kept.meta["groups_total"] == 4 and kept.meta["sampled_score"] == 4.0
 
 
@@ -79,35 +90,45 @@ class _Rows:
         return Batch({}, {UID: np.array([f"p{i}" for i in indices], dtype=object)})
 
 
-def test_unused_spare_batches_go_back_to_the_data_order():
+def test_unused_extra_batches_go_back_to_the_data_order():
     data = StepData(_Rows(), ResumableSampler(40, 4, seed=0, shuffle=False), None)
-    step1 = data.next_prompts(step=1, kl_coef=0.0, spares=2)
-    assert [list(b[UID]) for b in step1.meta[dapo.SPARE_PROMPTS]] == [["p4", "p5", "p6", "p7"],
+    step1 = data.next_prompts(step=1, kl_coef=0.0, extra_batches=2)
+    assert [list(b[UID]) for b in step1.meta[EXTRA_PROMPTS]] == [["p4", "p5", "p6", "p7"],
                                                                       ["p8", "p9", "p10", "p11"]]
-    # the step generated from its own prompts and one spare batch: both count as used
-    assert data.settle(step1, {dapo.ROUNDS_METRIC: 2.0}) == [f"p{i}" for i in range(8)]
-    step2 = data.next_prompts(step=2, kl_coef=0.0, spares=2)
-    assert list(step2[UID]) == ["p8", "p9", "p10", "p11"]            # the unused spare comes next
-    assert data.settle(step2, {dapo.ROUNDS_METRIC: 1.0}) == ["p8", "p9", "p10", "p11"]
+    # the step generated from its own prompts and one extra batch: both count as used
+    assert data.settle(step1, 2) == [f"p{i}" for i in range(8)]
+    step2 = data.next_prompts(step=2, kl_coef=0.0, extra_batches=2)
+    assert list(step2[UID]) == ["p8", "p9", "p10", "p11"]            # the unused extra batch comes next
+    assert data.settle(step2, 1) == ["p8", "p9", "p10", "p11"]
     assert data.sampler.state_dict()["position"] == 12               # a checkpoint resumes from here
-    plain = data.next_prompts(step=3, kl_coef=0.0)                   # no spares: one batch, as before
-    assert data.settle(plain, {}) == ["p12", "p13", "p14", "p15"]
+    plain = data.next_prompts(step=3, kl_coef=0.0)                   # no extra batches: one batch, as before
+    assert data.settle(plain, 1) == ["p12", "p13", "p14", "p15"]
+
+
+def _step_graph(overrides: list[str]):
+    cfg = load_config(TOY, overrides)
+    return build_graphs(cfg, load_workflow(cfg.workflow))[0]
+
+
+def test_the_extra_prompt_batches_a_step_reads_are_derived_from_its_graph():
+    assert graph_facts(_step_graph([])).extra_prompt_batches == 0
+    on = ["algorithm.dynamic_sampling.enabled=true"]
+    assert graph_facts(_step_graph(on)).extra_prompt_batches == 2                 # max_extra_rounds' default
+    assert graph_facts(_step_graph([*on, "algorithm.dynamic_sampling.max_extra_rounds=3"])).extra_prompt_batches == 3
 
 
 def test_extra_rounds_are_refused_with_asynchronous_pipelining():
-    with pytest.raises(ConfigError, match="max_extra_rounds=2 generates extra rounds"):
-        load_config(TOY, ["algorithm.dynamic_sampling.enabled=true", "placement.mode=disaggregated",
-                          "placement.max_staleness=1"])
-    cfg = load_config(TOY, ["algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_extra_rounds=0",
-                            "placement.mode=disaggregated", "placement.max_staleness=1"])
-    assert cfg.spare_prompt_batches == 0
+    pipelined = ["placement.mode=disaggregated", "placement.max_staleness=1", "algorithm.dynamic_sampling.enabled=true"]
+    with pytest.raises(GraphBuildError, match="generates from 2 extra prompt batches per step"):
+        _step_graph(pipelined)
+    assert graph_facts(_step_graph([*pipelined, "algorithm.dynamic_sampling.max_extra_rounds=0"])).extra_prompt_batches == 0
 
 
 def _run(tmp_path, monkeypatch, tiny_model_path, **overrides):
     from raygraph.run.trainer import run
 
     monkeypatch.chdir(tmp_path)
-    base = {"model.path": tiny_model_path, "model.build_tiny": "false", "data.train_files": "[data/train.parquet]",
+    base = {"model.path": tiny_model_path, "model.tiny": "null", "data.train_files": "[data/train.parquet]",
             "data.val_files": "[data/val.parquet]", "data.val_prompts": 4, "trainer.total_steps": 3,
             "trainer.output_dir": "runs", "logging.mlflow": "false", "checkpoint.save_hf": "false",
             "trainer.save_every": 0, "actor.optim.lr": 1e-3}
@@ -138,13 +159,13 @@ def test_grpo_with_extra_rounds_trains_full_batches_and_keeps_the_data_order(wor
         "placement.train_workers": world, "placement.rollout_workers": world})
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        rounds, kept = r[dapo.ROUNDS_METRIC], r["rollout/groups_kept"]
+        rounds, kept = r[ROUNDS], r["rollout/groups_kept"]
         assert 1 <= rounds <= 3 and kept <= 4 and r["rollout/groups_total"] == 4 * rounds
         assert rounds == 3 or kept == 4          # a round runs only while the batch is short
         assert r["rollout/samples"] == 4 * kept  # the update trains the kept groups whole (n = 4)
         assert (r["actor/empty_updates"] == 1.0) == (kept == 0)
     ledger = effective_steps(run_dir)
-    used = [int(r[dapo.ROUNDS_METRIC]) for r in rows]
+    used = [int(r[ROUNDS]) for r in rows]
     assert [len(ledger[s]) for s in (1, 2, 3)] == [4 * u for u in used]
     # every prompt the steps generated from, in order, is the data order: none skipped, none twice
     assert [u for s in (1, 2, 3) for u in ledger[s]] == _data_order(cfg, sum(used))

@@ -18,7 +18,9 @@ from raygraph.batch import (
     UID,
     Batch,
 )
-from raygraph.graph import whole_batch
+from raygraph.graph import report, whole_batch
+
+_PLAIN = {"gamma": 1.0, "lam": 1.0, "eps": 1e-6, "kl_kind": "k1", "old_from_rollout": False}
 
 
 def _scored(scores, uids, width=3, lengths=None):
@@ -50,7 +52,7 @@ def test_validation_accuracy_without_acc_column_counts_positive_scores():
 def test_grpo_advantages_are_global_over_the_batch_groups():
     # group a: scores 1, 0 -> mean 0.5, unbiased std 0.7071 -> +0.7071, -0.7071 on every valid token
     batch = _scored([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], lengths=[3, 2, 3, 3])
-    out = whole_batch.compute_advantages(batch, Batch(meta={}), estimator="grpo")
+    out = whole_batch.compute_advantages(batch, Batch(meta={}), estimator="grpo", **_PLAIN)
     adv = out[ADVANTAGES]
     assert adv[0].tolist() == pytest.approx([0.70710, 0.70710, 0.70710], abs=1e-4)
     assert adv[1].tolist() == pytest.approx([-0.70710, -0.70710, 0.0], abs=1e-4)
@@ -62,7 +64,7 @@ def test_kl_in_reward_penalty_uses_the_driver_coefficient():
     batch = _scored([1.0, 0.0], ["a", "a"], width=2)
     batch = batch.with_columns(**{OLD_LOGPROBS: torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]),
                                   REF_LOGPROBS: torch.tensor([[-1.5, -1.0], [-2.0, -1.0]])})
-    out = whole_batch.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1")
+    out = whole_batch.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", **_PLAIN)
     # k1 = old - ref per token: row 0 [0.5, 0.0], row 1 [0.0, -1.0]; reward -= 0.1 * k1
     assert torch.allclose(out[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
     assert out.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
@@ -72,12 +74,12 @@ def test_old_logprobs_from_the_rollout_or_standing_in_for_the_kl_metric():
     batch = _scored([1.0, 0.0], ["a", "a"], width=2)
     batch = batch.with_columns(**{ROLLOUT_LOGPROBS: torch.tensor([[-1.0, -1.0], [-2.0, -2.0]]),
                                   REF_LOGPROBS: torch.tensor([[-1.5, -1.0], [-2.0, -1.0]])})
-    taken = whole_batch.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo", kl_kind="k1",
-                                     old_from_rollout=True)
+    taken = whole_batch.compute_advantages(batch, Batch(meta={"kl_coef": 0.1}), estimator="grpo",
+                                           **{**_PLAIN, "old_from_rollout": True})
     assert torch.equal(taken[OLD_LOGPROBS], batch[ROLLOUT_LOGPROBS])
     assert torch.allclose(taken[TOKEN_LEVEL_REWARDS], torch.tensor([[-0.05, 1.0], [0.0, 0.1]]))
     # no old_logprobs at all (the update computes its own): the metric uses the rollout's, no penalty
-    metric_only = whole_batch.compute_advantages(batch, Batch(meta={}), estimator="grpo", kl_kind="k1")
+    metric_only = whole_batch.compute_advantages(batch, Batch(meta={}), estimator="grpo", **_PLAIN)
     assert OLD_LOGPROBS not in metric_only
     assert metric_only.meta["kl_in_reward"] == pytest.approx((0.5 + 0.0 + 0.0 - 1.0) / 4)
     assert torch.equal(metric_only[TOKEN_LEVEL_REWARDS], batch[TOKEN_LEVEL_SCORES])
@@ -103,11 +105,11 @@ def test_sample_records_are_the_rows_as_text_with_their_scores_and_mean_advantag
     records = whole_batch.sample_records(batch)
     assert records[0] == {"uid": "a", "score": 1.0, "acc": 1.0, "advantage": 0.5, "response": "4"}
     assert records[1]["advantage"] == pytest.approx(-2.0)   # (-1 - 2 - 3) / 3 response tokens
-    # rollout_metrics returns the rows the driver asked for (meta), validation always a few
-    assert len(whole_batch.rollout_metrics(batch)[whole_batch.RECORDS]) == 1
+    # the step report carries the rows the driver asked for (meta); metrics hold numbers only
+    assert report.step_report(batch, n_batches=1).records == records[:1]
     no_dump = Batch(batch.tensors, batch.non_tensors, {})
-    assert whole_batch.RECORDS not in whole_batch.rollout_metrics(no_dump)
-    assert len(whole_batch.validation_metrics(no_dump)[whole_batch.RECORDS]) == 2   # up to 3 for the console
+    assert report.step_report(no_dump, n_batches=1).records == []
+    assert all(isinstance(v, float) for v in whole_batch.rollout_metrics(batch).values())
 
 
 def test_sampled_validation_pass_at_k_and_majority_vote_by_hand():

@@ -42,12 +42,17 @@ How this departs from the paper (all config, same file):
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import first_round_prompts, rollout_columns, shape_rollouts, update_batch
+from raygraph.graph.fragments import (
+    advantages,
+    first_round_prompts,
+    rollout_columns,
+    shape_rollouts,
+    update_batch,
+)
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
 MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
-SHAPES_ROLLOUTS = True  # algorithm.overlong_penalty, mask_truncated, dynamic_sampling (shape_rollouts)
 
 
 def build(roles, cfg):
@@ -58,12 +63,7 @@ def build(roles, cfg):
                                       first_round_prompts(roles, cfg, prompts))
         scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
         scored, shaping = shape_rollouts(roles, cfg, scored, prompts)   # DAPO options: the batch may change size
-        batch = roles.apply(
-            whole_batch.compute_advantages, scored, prompts,
-            estimator=cfg.algorithm.advantage, old_from_rollout=cfg.old_logprobs_source == "rollout",
-            gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam, eps=cfg.algorithm.norm_eps, kl_kind=cfg.algorithm.kl_in_reward.kind,
-        )
+        batch = advantages(roles, cfg, scored, prompts)   # whole batch: per-group normalisation
         train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
         metrics = [roles.apply(whole_batch.rollout_metrics, batch), *correction, *shaping]
         update = roles.policy.bind("update", train_batch)

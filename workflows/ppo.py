@@ -18,7 +18,7 @@ and policy updates read the same batch and do not wait for each other.
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns, update_batch
+from raygraph.graph.fragments import advantages, rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward", "critic")
 ADVANTAGES = ("gae",)
@@ -28,11 +28,7 @@ def build(roles, cfg):
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("generate", prompts)
         parts = [rollouts, *rollout_columns(roles, cfg, rollouts), roles.critic.bind("values", rollouts)]
-        batch = roles.apply(
-            whole_batch.compute_advantages, roles.gather(*parts), prompts, estimator=cfg.algorithm.advantage,
-            old_from_rollout=cfg.old_logprobs_source == "rollout",
-            gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, kl_kind=cfg.algorithm.kl_in_reward.kind,
-        )
+        batch = advantages(roles, cfg, roles.gather(*parts), prompts)   # GAE, whitened over the whole batch
         critic_update = roles.critic.bind("update", batch)
         train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
         policy_update = roles.policy.bind("update", train_batch)

@@ -14,7 +14,7 @@ Departures from the paper: the greedy branch runs in the same DAG step as the sa
 from __future__ import annotations
 
 from raygraph.graph import InputNode, MultiOutputNode, whole_batch
-from raygraph.graph.fragments import rollout_columns, update_batch
+from raygraph.graph.fragments import advantages, rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward")
 ADVANTAGES = ("remax",)
@@ -27,11 +27,7 @@ def build(roles, cfg):
         baseline = roles.gather(greedy, roles.reward.bind("score", greedy))
         parts = [rollouts, *rollout_columns(roles, cfg, rollouts)]
         batch = roles.apply(whole_batch.attach_reward_baselines, roles.gather(*parts), baseline)
-        batch = roles.apply(
-            whole_batch.compute_advantages, batch, prompts, estimator=cfg.algorithm.advantage, gamma=cfg.algorithm.gamma,
-            old_from_rollout=cfg.old_logprobs_source == "rollout",
-            kl_kind=cfg.algorithm.kl_in_reward.kind,
-        )
+        batch = advantages(roles, cfg, batch, prompts)
         train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
         update = roles.policy.bind("update", train_batch)
         sync = roles.sync_weights(after=update)

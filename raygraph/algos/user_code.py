@@ -22,11 +22,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 
+from raygraph.errors import ConfigInvalid
+
 __all__ = ["UserCodeError", "is_code_ref", "absolute_ref", "import_plugin", "import_plugins", "load_function",
            "check_keywords"]
 
 
-class UserCodeError(ValueError):
+class UserCodeError(ConfigInvalid, ValueError):
     """A plugin or a `file.py:fn` reference that cannot be imported or does not fit."""
 
 

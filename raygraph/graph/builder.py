@@ -19,12 +19,13 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from raygraph.errors import ConfigInvalid
 from raygraph.graph.nodes import ApplyNode, CallNode, DAGNode, GatherNode, SyncNode
 
 __all__ = ["GraphBuilder", "RoleNodes", "GraphBuildError", "public_methods"]
 
 
-class GraphBuildError(ValueError):
+class GraphBuildError(ConfigInvalid, ValueError):
     """A graph names a role the run does not have, or a method its worker does not define."""
 
 

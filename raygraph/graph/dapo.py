@@ -1,20 +1,20 @@
 """DAPO's batch shaping (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System
-at Scale"), as whole-batch functions a workflow places with `roles.apply(fn, batch, ...)`.
+at Scale"), as whole-batch functions a workflow places with `roles.apply(fn, batch, ...)`; the
+maths (the penalty formula, which groups are informative) is `raygraph.algos.dapo`.
 
 - `overlong_penalty`: soft overlong punishment (DAPO eq. 13), added to each row's score.
 - `mask_truncated`: responses cut at the length limit leave the loss (overlong filtering).
 - `filter_groups`: dynamic sampling's filter; groups whose accuracy (or score) is the same in
   every sample have zero group-relative advantage and only dilute the loss normaliser.
-- `refill_prompts`, `add_round`: dynamic sampling's extra generation rounds. The driver attaches
-  the next prompt batches of the data order to the step's prompts (`meta[SPARE_PROMPTS]`); round
-  k generates from the k-th of them only while fewer than `target` groups are kept (otherwise it
-  is an empty batch, which every role passes through at no cost), and `add_round` keeps the
-  informative groups of each round until the batch is full. `meta["gen_rounds"]` (metric
-  `rollout/gen_rounds`) tells the driver how many prompt batches the step used; the rest go
-  back to the data order (`raygraph.run.feed.StepData.settle`).
+- `refill_prompts`, `add_round`: dynamic sampling's extra generation rounds. Round k generates
+  from the step's k-th extra prompt batch (`raygraph.batch.extra_prompt_batch`, attached by the
+  driver) only while fewer than `target` groups are kept (otherwise from an empty batch, which
+  every role passes through at no cost), and `add_round` keeps the informative groups of each
+  round until the batch is full. `meta[PROMPT_BATCHES_USED]` says how many prompt batches the
+  step generated from; the driver puts the rest back in the data order.
 
 After the filter the batch may be smaller than the step's, or empty: the policy update
-splits whatever is left over the training ranks and skips an empty step (`_train.run_minibatches`).
+splits whatever is left over the training ranks and skips an empty step.
 Pure functions of a `Batch`: no Ray, no config.
 """
 
@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import torch
 
+from raygraph.algos import dapo as dapo_maths
 from raygraph.batch import (
+    PROMPT_BATCHES_USED,
     RESPONSE_LENGTH,
     RESPONSE_MASK,
     REWARD_EXTRA_PREFIX,
     TOKEN_LEVEL_SCORES,
     UID,
     Batch,
+    extra_prompt_batch,
 )
 
-__all__ = ["SPARE_PROMPTS", "ROUNDS_METRIC", "overlong_penalty", "mask_truncated", "filter_groups", "group_values",
-           "refill_prompts", "without_spares", "add_round", "shaping_metrics"]
-
-SPARE_PROMPTS = "spare_prompts"        # prompts.meta: the prompt batches of the extra rounds, in data order
-ROUNDS_METRIC = "rollout/gen_rounds"   # prompt batches (rounds) a step generated from, the first included
+__all__ = ["overlong_penalty", "mask_truncated", "filter_groups", "group_values", "refill_prompts", "add_round",
+           "shaping_metrics"]
 
 
 def _lengths(batch: Batch) -> torch.Tensor:
@@ -58,8 +58,7 @@ def overlong_penalty(batch: Batch, *, max_len: int, buffer: int, factor: float) 
         `batch` with the penalty added to `token_level_scores`; `meta["overlong_penalty"]` its mean.
     """
     lengths = _lengths(batch)
-    exceed = (lengths - (max_len - buffer)).clamp(min=0).float()
-    penalty = -factor * exceed.clamp(max=buffer) / buffer                       # (B,)
+    penalty = dapo_maths.overlong_penalty(lengths, max_len=max_len, buffer=buffer, factor=factor)   # (B,)
     scores = batch[TOKEN_LEVEL_SCORES].float().clone()
     rows = torch.arange(len(batch))
     last = (lengths - 1).clamp(min=0)
@@ -106,43 +105,26 @@ def filter_groups(batch: Batch, *, metric: str = "acc", max_groups: int | None =
     Returns:
         the kept rows in their order (possibly none); `meta["groups_total"]`, `meta["groups_kept"]`.
     """
-    values, uids = group_values(batch, metric), list(batch[UID])
-    spread: dict = {}
-    for i, uid in enumerate(uids):
-        lo, hi = spread.get(uid, (float("inf"), float("-inf")))
-        spread[uid] = (min(lo, float(values[i])), max(hi, float(values[i])))
-    informative = [uid for uid, (lo, hi) in spread.items() if hi > lo]
+    uids = list(batch[UID])
+    informative = dapo_maths.informative_groups(group_values(batch, metric), uids)
     keep = set(informative[:max_groups] if max_groups is not None else informative)
     out = batch.select(torch.tensor([uid in keep for uid in uids], dtype=torch.bool))
-    out.meta.update(groups_total=len(spread), groups_kept=len(keep), gen_rounds=1,
+    out.meta.update(groups_total=len(set(uids)), groups_kept=len(keep), **{PROMPT_BATCHES_USED: 1},
                     sampled_rows=len(batch), sampled_score=float(batch[TOKEN_LEVEL_SCORES].float().sum()))
     return out
 
 
 def refill_prompts(prompts: Batch, kept: Batch, *, round: int, target: int) -> Batch:
-    """The prompts extra round `round` (1, 2, ...) generates from: the round-th spare batch while
-    `kept` holds fewer than `target` groups, else none of it (an empty batch: nothing is generated).
+    """The prompts extra round `round` (1, 2, ...) generates from: the step's round-th extra prompt
+    batch while `kept` holds fewer than `target` groups, else none of it (an empty batch: nothing
+    is generated).
 
     Args:
-        prompts: the step's prompts; `meta[SPARE_PROMPTS]` the spare batches (the driver's).
+        prompts: the step's prompts, with the extra batches the driver attached.
         kept: the groups kept so far (`filter_groups` / `add_round` output).
     """
-    spares = prompts.meta.get(SPARE_PROMPTS) or []
-    if round > len(spares):
-        raise ValueError(f"dynamic sampling round {round} has no prompts: the driver attached {len(spares)} spare "
-                         "batches (algorithm.dynamic_sampling.max_extra_rounds)")
-    spare = spares[round - 1]
-    wanted = spare if kept.meta["groups_kept"] < target else spare.select(slice(0, 0))
-    return Batch(dict(wanted.tensors), dict(wanted.non_tensors), without_spares(prompts).meta)
-
-
-def without_spares(prompts: Batch) -> Batch:
-    """The step's prompts without the spare batches in their `meta` (only `refill_prompts` reads
-    them; every shard and result of the first round would otherwise carry them along)."""
-    if SPARE_PROMPTS not in prompts.meta:
-        return prompts
-    meta = {k: v for k, v in prompts.meta.items() if k != SPARE_PROMPTS}
-    return Batch(dict(prompts.tensors), dict(prompts.non_tensors), meta)
+    extra = extra_prompt_batch(prompts, round)
+    return extra if kept.meta["groups_kept"] < target else extra.select(slice(0, 0))
 
 
 def add_round(kept: Batch, scored: Batch, *, metric: str = "acc", target: int) -> Batch:
@@ -156,7 +138,7 @@ def add_round(kept: Batch, scored: Batch, *, metric: str = "acc", target: int) -
         return kept
     more = filter_groups(scored, metric=metric, max_groups=max(target - kept.meta["groups_kept"], 0))
     meta = dict(kept.meta)
-    for key in ("groups_total", "groups_kept", "gen_rounds", "sampled_rows", "sampled_score"):
+    for key in ("groups_total", "groups_kept", PROMPT_BATCHES_USED, "sampled_rows", "sampled_score"):
         meta[key] = kept.meta[key] + more.meta[key]
     if "truncated_rows" in kept.meta:
         meta["truncated_rows"] = kept.meta["truncated_rows"] + scored.meta.get("truncated_rows", 0)
@@ -172,14 +154,14 @@ def shaping_metrics(batch: Batch) -> dict[str, float]:
     """What the shaping did this step, from the `meta` the functions above leave on the batch:
     `rollout/groups_total`, `rollout/groups_kept`, `rollout/groups_filtered`,
     `rollout/truncated_rows`, `reward/overlong_penalty_mean` (each only when its step ran); with
-    the filter also `rollout/gen_rounds` and `reward/sampled_mean` (the mean summed score of every
+    the filter also `rollout/gen_rounds` (prompt batches generated from) and `reward/sampled_mean` (the mean summed score of every
     row generated, kept or not: the kept rows' `reward/mean` leans towards the groups that vary)."""
     meta, out = batch.meta, {}
     if "groups_total" in meta:
         out.update({"rollout/groups_total": float(meta["groups_total"]),
                     "rollout/groups_kept": float(meta["groups_kept"]),
                     "rollout/groups_filtered": float(meta["groups_total"] - meta["groups_kept"]),
-                    ROUNDS_METRIC: float(meta["gen_rounds"]),
+                    "rollout/gen_rounds": float(meta[PROMPT_BATCHES_USED]),
                     "reward/sampled_mean": meta["sampled_score"] / max(meta["sampled_rows"], 1)})
     if "truncated_rows" in meta:
         out["rollout/truncated_rows"] = float(meta["truncated_rows"])

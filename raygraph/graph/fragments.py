@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from raygraph.batch import without_extra_prompts
 from raygraph.graph import dapo, whole_batch
 from raygraph.graph.nodes import InputNode, MultiOutputNode
 
-__all__ = ["first_round_prompts", "reference_logprobs", "rollout_columns", "shape_rollouts", "validation_graph",
-           "update_batch"]
+__all__ = ["advantages", "first_round_prompts", "reference_logprobs", "rollout_columns", "shape_rollouts",
+           "validation_graph", "update_batch"]
 
 
 def rollout_columns(roles, cfg, rollouts) -> list:
@@ -27,9 +28,20 @@ def rollout_columns(roles, cfg, rollouts) -> list:
 
 
 def first_round_prompts(roles, cfg, prompts):
-    """What the step's first `rollout.generate` samples from: `prompts`, without the spare batches
-    the driver attaches for DAPO's extra rounds (`dapo.without_spares`) when it attaches any."""
-    return roles.apply(dapo.without_spares, prompts) if cfg.spare_prompt_batches else prompts
+    """What the step's first `rollout.generate` samples from: `prompts` without the extra prompt
+    batches the driver attaches when the graph reads some (`raygraph.batch.EXTRA_PROMPTS`)."""
+    sampling = cfg.algorithm.dynamic_sampling   # shape_rollouts reads extra batches exactly then
+    return roles.apply(without_extra_prompts, prompts) if sampling.enabled and sampling.max_extra_rounds else prompts
+
+
+def advantages(roles, cfg, batch, prompts):
+    """The node computing `advantages` and `returns` of the gathered `batch` with the config's
+    estimator (`algorithm.advantage`) and its settings (`whole_batch.compute_advantages`): every
+    policy-gradient workflow reads the config here, once."""
+    algo = cfg.algorithm
+    return roles.apply(whole_batch.compute_advantages, batch, prompts, estimator=algo.advantage,
+                       gamma=algo.gamma, lam=algo.lam, eps=algo.norm_eps, kl_kind=algo.kl_in_reward.kind,
+                       old_from_rollout=cfg.old_logprobs_source == "rollout")
 
 
 def shape_rollouts(roles, cfg, scored, prompts=None):

@@ -41,13 +41,10 @@ from raygraph.batch import (
 __all__ = ["compute_advantages", "rollout_metrics", "validation_metrics", "sequence_scores",
            "attach_reward_baselines", "use_rollout_logprobs", "truncated_importance_weights",
            "off_policy_metrics", "sample_records", "sampled_validation_metrics", "pass_at_k",
-           "correct_rollouts", "rollout_correction_metrics", "CORRECTIONS",
-           "RECORDS", "DUMP_ROWS"]
+           "correct_rollouts", "rollout_correction_metrics", "CORRECTIONS", "DUMP_ROWS"]
 
-# A metrics output may carry the step's samples as text under RECORDS (the driver writes them
-# out and never logs them as metrics); the driver asks for them with `meta[DUMP_ROWS]` (rows
-# wanted, -1 = all) in the step's prompts batch.
-RECORDS = "_records"
+# The driver asks for a step's samples as text with `meta[DUMP_ROWS]` (rows wanted, -1 = all) in
+# the step's prompts batch; they come back in the step's report (`raygraph.graph.report`).
 DUMP_ROWS = "dump_rows"
 VAL_CONSOLE_ROWS = 3   # validation always returns a few samples, for the console
 
@@ -62,9 +59,8 @@ def sequence_scores(batch: Batch) -> torch.Tensor:
     return batch[TOKEN_LEVEL_SCORES].float().sum(-1)
 
 
-def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: float = 1.0,
-                       lam: float = 1.0, eps: float = 1e-6, kl_kind: str = "k1",
-                       old_from_rollout: bool = False) -> Batch:
+def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: float, lam: float, eps: float,
+                       kl_kind: str, old_from_rollout: bool) -> Batch:
     """Rewards (minus the in-reward KL penalty) → advantages and returns, over the whole batch.
 
     Args:
@@ -74,6 +70,8 @@ def compute_advantages(batch: Batch, prompts: Batch, *, estimator: str, gamma: f
         prompts: the step's input batch; `prompts.meta["kl_coef"]` (default 0) is the KL-in-reward
             coefficient chosen by the driver's KL controller for this step.
         estimator: a name from `raygraph.algos.advantages.names()`.
+        gamma, lam, eps: the estimator's discount, GAE lambda and normalisation epsilon.
+        kl_kind: the KL estimator of the in-reward penalty (`raygraph.algos.kl.names()`).
         old_from_rollout: take `old_logprobs` from `rollout_logprobs` (`use_rollout_logprobs`)
             first, for a workflow that skips the `policy.logprobs` pass (`actor.old_logprobs=rollout`).
     Returns:
@@ -265,11 +263,9 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         out["actor/advantage_abs_max"] = float(valid.abs().max()) if valid.numel() else 0.0
     if WEIGHT_VERSION in batch:
         out["weights/rollout_version_min"] = float(batch[WEIGHT_VERSION].min())
-    for key in ("kl_in_reward", "kl_coef"):
-        if key in batch.meta:
-            out[f"actor/{key}"] = float(batch.meta[key])
-    if batch.meta.get(DUMP_ROWS):
-        out[RECORDS] = sample_records(batch, batch.meta[DUMP_ROWS])
+    if "kl_in_reward" in batch.meta:   # set by compute_advantages, with the coefficient it used
+        out["actor/kl_in_reward"] = float(batch.meta["kl_in_reward"])
+        out["actor/kl_coef"] = float(batch.meta["kl_coef"])
     return out
 
 
@@ -279,8 +275,7 @@ def validation_metrics(batch: Batch) -> dict[str, float]:
     Accuracy is also broken down by `data_source` when the batch mixes several.
     """
     correct = _correct(batch)
-    out = {"val/accuracy": float(correct.mean()), "val/samples": float(len(batch)),
-           RECORDS: sample_records(batch, batch.meta.get(DUMP_ROWS) or VAL_CONSOLE_ROWS)}
+    out = {"val/accuracy": float(correct.mean()), "val/samples": float(len(batch))}
     out.update(_reward_summary(batch, "val/reward"))
     if "data_source" in batch:
         sources = np.asarray(batch["data_source"])

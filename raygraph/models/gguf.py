@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from raygraph.errors import DataInvalid
 from raygraph.models.loading import resolve_dtype
 
 __all__ = ["GGUF_MAGIC", "IMPORT_RECORD", "GGUFImportError", "import_gguf", "is_imported_model_dir",
@@ -49,7 +50,7 @@ IMPORT_RECORD = "raygraph_import.json"  # written last: its presence means the d
 _PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42"
 
 
-class GGUFImportError(ValueError):
+class GGUFImportError(DataInvalid, ValueError):
     """A GGUF file that cannot be imported; the message names the file and the fix."""
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raygraph.errors import ConfigInvalid
+
 __all__ = [
     "ALL_LINEAR", "LoraError", "LoraSpec", "adapter_tensors", "apply_lora", "check_lora_on_config",
     "hf_name", "is_adapter_name", "lora_layers", "merged_tensors", "save_adapter",
@@ -40,7 +42,7 @@ _PREFIX = "base_model.model."
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
-class LoraError(ValueError):
+class LoraError(ConfigInvalid, ValueError):
     """A LoRA setting that cannot be applied to this model (the message says which and why)."""
 
 

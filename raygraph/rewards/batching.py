@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from raygraph.batch import REWARD_EXTRA_PREFIX, TOKEN_LEVEL_SCORES, Batch
+from raygraph.errors import RewardFailed
 
 __all__ = ["NON_FINITE_POLICIES", "NonFiniteRewardError", "as_score", "decode_responses",
            "place_on_last_token", "reward_batch"]
@@ -31,7 +32,7 @@ NON_FINITE_POLICIES = ("fail", "zero")
 NON_FINITE_EXTRA = "non_finite"
 
 
-class NonFiniteRewardError(ValueError):
+class NonFiniteRewardError(RewardFailed, ValueError):
     """A reward returned NaN or Inf for a sample (under `reward.on_non_finite=fail`)."""
 
 

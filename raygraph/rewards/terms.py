@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raygraph.algos.user_code import is_code_ref
+from raygraph.errors import RewardFailed
 
 __all__ = ["ON_ERROR_POLICIES", "RewardFunctionError", "RewardTerm", "Call", "Outcome", "make_terms",
            "call_one", "combine"]
@@ -39,7 +40,7 @@ ON_ERROR_POLICIES = ("fail", "zero")
 BY_SOURCE = "data_source"   # the name of the one term that picks each row's reward by its data_source
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(RewardFailed, RuntimeError):
     """A reward function raised, returned a non-number or timed out (under `reward.on_error=fail`)."""
 
 

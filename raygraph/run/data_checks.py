@@ -14,11 +14,12 @@ from collections import Counter
 from pathlib import Path
 
 from raygraph import rewards
+from raygraph.errors import DataInvalid
 
 __all__ = ["DataError", "data_problems", "check_data"]
 
 
-class DataError(ValueError):
+class DataError(DataInvalid, ValueError):
     """The training or validation data cannot be trained on as configured (every problem listed)."""
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raygraph.batch import NEXT_PROMPTS, UID, Batch
+from raygraph.batch import EXTRA_PROMPTS, NEXT_PROMPTS, UID, Batch
 from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
 from raygraph.data.sampler import MixedSampler
-from raygraph.graph.dapo import ROUNDS_METRIC, SPARE_PROMPTS
 from raygraph.models.loading import load_tokenizer
 from raygraph.run.data_checks import check_data
 
@@ -41,7 +40,7 @@ class StepData:
     train: Any
     sampler: Any
     val_prompts: Batch | None
-    # the sampler's position after the step's batch and after each spare batch (see `settle`)
+    # the sampler's position after the step's batch and after each extra batch (see `settle`)
     _after_round: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -80,14 +79,15 @@ class StepData:
             val = val_set.to_batch(list(range(n_val)), epoch="val")
         return cls(train, sampler, val)
 
-    def next_prompts(self, *, step: int, kl_coef: float, lookahead_shares: int = 0, spares: int = 0) -> Batch:
+    def next_prompts(self, *, step: int, kl_coef: float, lookahead_shares: int = 0, extra_batches: int = 0) -> Batch:
         """The next training batch; per-step values for whole-batch steps travel in `meta`.
 
         Args:
             step, kl_coef: per-step values put in `meta`.
-            spares: k > 0 also attaches the k batches that follow in the data order
-                (`meta[SPARE_PROMPTS]`, DAPO's extra generation rounds); `settle` then puts back
-                those the step did not generate from.
+            extra_batches: k > 0 also attaches the k batches that follow in the data order
+                (`meta[EXTRA_PROMPTS]`, e.g. DAPO's extra generation rounds; k is derived from the
+                step graph, `GraphFacts.extra_prompt_batches`); `settle` then puts back those the
+                step did not generate from.
             lookahead_shares: k > 0 (asynchronous pipelining over k rollout ranks) also attaches
                 the NEXT step's prompts, split as the DAG splits a batch over k ranks
                 (`Batch.chunk_by_group(k)`): `meta[NEXT_PROMPTS] = {uids of rank r's share of
@@ -98,12 +98,12 @@ class StepData:
         batch = self._draw()
         batch.meta.update(step=step, kl_coef=kl_coef)
         self._after_round = [self.sampler.state_dict()]
-        if spares:
+        if extra_batches:
             extra = []
-            for _ in range(spares):
+            for _ in range(extra_batches):
                 extra.append(self._draw())
                 self._after_round.append(self.sampler.state_dict())
-            batch.meta[SPARE_PROMPTS] = extra
+            batch.meta[EXTRA_PROMPTS] = extra
         if lookahead_shares:
             position = self.sampler.state_dict()
             upcoming = self._draw()
@@ -113,16 +113,16 @@ class StepData:
                                             upcoming.chunk_by_group(lookahead_shares))}
         return batch
 
-    def settle(self, prompts: Batch, metrics: dict[str, float]) -> list:
+    def settle(self, prompts: Batch, batches_used: int) -> list:
         """After a step: the uids of the prompts it generated from (its own, plus those of the
-        spare batches its extra rounds used, `metrics[ROUNDS_METRIC]`); the spare batches it did
-        not use go back to the data order, so the next step (and a checkpoint) starts with them."""
-        spares = prompts.meta.get(SPARE_PROMPTS) or []
-        if not spares:
+        extra batches it used: `batches_used` in all, `StepReport.prompt_batches`); the extra
+        batches it did not use go back to the data order, so the next step (and a checkpoint)
+        starts with them."""
+        extra = prompts.meta.get(EXTRA_PROMPTS) or []
+        if not extra:
             return list(prompts[UID])
-        rounds = int(metrics.get(ROUNDS_METRIC, 1))
-        self.sampler.load_state_dict(self._after_round[rounds - 1])
-        return [uid for batch in [prompts, *spares[:rounds - 1]] for uid in batch[UID]]
+        self.sampler.load_state_dict(self._after_round[batches_used - 1])
+        return [uid for batch in [prompts, *extra[:batches_used - 1]] for uid in batch[UID]]
 
     def _draw(self) -> Batch:
         indices = self.sampler.next_indices()

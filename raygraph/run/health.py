@@ -1,6 +1,6 @@
 """Whether training did anything: a run whose every update was skipped is a failure, not "done".
 
-A non-finite loss or gradient norm skips an optimizer step (workers/_train.py) and is counted in
+A non-finite loss or gradient norm skips an optimizer step (workers/train_loop.py) and is counted in
 `actor/skipped_steps` of `actor/optimizer_steps`. A few skips are survivable and are said in the
 log; a run in which no step updated the policy at all ends with `TrainingFailed` (exit code 1).
 """
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 
+from raygraph.errors import RecoveryFailed
+
 __all__ = ["TrainingFailed", "UpdateHealth"]
 
 log = logging.getLogger("raygraph")
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(RecoveryFailed, RuntimeError):
     """The run finished its steps but never trained (every optimizer step was skipped)."""
 
 

@@ -22,13 +22,14 @@ from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.graph import whole_batch
 from raygraph.graph.executor import Executor
+from raygraph.graph.report import graph_facts, split_report
 from raygraph.run import resume
 from raygraph.run.feed import StepData, merge_outputs
 from raygraph.run.graphs import build_graphs
 from raygraph.run.health import UpdateHealth
 from raygraph.run.ledger import SampleLedger
 from raygraph.run.recovery import Recoveries, find_dead_actors, lost_nodes
-from raygraph.run.role_specs import colocation, pools_for, role_specs
+from raygraph.run.role_specs import placement_plan, role_specs
 from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import prepare_run, start_ray
 from raygraph.run.stage_recovery import StageRunner
@@ -97,12 +98,14 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
     data = StepData.load(cfg, workflow.data_format)
     specs = role_specs(cfg, workflow.roles)
     step_graph, val_graph = build_graphs(cfg, workflow)   # before any actor starts: names checked
+    extra_batches = graph_facts(step_graph).extra_prompt_batches   # prompt batches the graph may read beyond its own
     start_ray(cfg, address)
     stop.install()  # ray.init replaced the SIGTERM handler
     print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
     recoveries.run_dir, ledger = ctx.run_dir, SampleLedger(ctx.run_dir)
-    roles = build_roles(run_name=ctx.ray_name, pools=pools_for(cfg), specs=specs, mode=cfg.placement.mode,
-                        colocate=colocation(cfg, specs), placement_timeout_s=cfg.placement.placement_timeout_s,
+    plan = placement_plan(cfg, workflow.roles)
+    roles = build_roles(run_name=ctx.ray_name, pools=plan.pools, specs=specs, colocate=plan.fused,
+                        weight_sync=plan.weight_sync, placement_timeout_s=cfg.placement.placement_timeout_s,
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
                         bucket_bytes=cfg.placement.weight_bucket_mb << 20,
                         weight_sync_verify=cfg.placement.weight_sync_verify, plugins=cfg.plugins)
@@ -152,19 +155,20 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
             t0 = time.perf_counter()
             consistent = None  # from here the sampler, then the roles, move on to this step
             prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead,
-                                        spares=cfg.spare_prompt_batches)
+                                        extra_batches=extra_batches)
             prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
-            metrics = merge_outputs(runner.run(prompts, step=step, version=version))
-            ledger.trained(step, data.settle(prompts, metrics))
+            outputs, report = split_report(runner.run(prompts, step=step, version=version))
+            metrics = merge_outputs(outputs)
+            ledger.trained(step, data.settle(prompts, report.prompt_batches))
             metrics.update(recoveries.take_metrics())
-            records = metrics.pop(whole_batch.RECORDS, None)
-            if records is not None:
-                tracker.log_samples(dumps.write(step, records, "train"), records)
+            if report.records:
+                tracker.log_samples(dumps.write(step, report.records, "train"), report.records)
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics.update(roles.take_step_stats())
             metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
-            version = int(metrics.get("weights/version", version))
-            kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * cfg.rollout.n)
+            version = version if report.weight_version is None else report.weight_version
+            if report.kl_in_reward is not None:   # the graph computes it whenever the controller adapts
+                kl_ctl.update(report.kl_in_reward, len(prompts) * cfg.rollout.n)
             consistent = step
             health.observe(step, metrics)
             stopping = stop.requested  # read once: a signal may land anywhere in this iteration
