@@ -32,7 +32,7 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q --durations=15 tests
 
-# The inner loop: lint + the tests that need neither Ray nor more than ~20 s (well under a minute).
+# The inner loop: lint + the tests that need no Ray, subprocess or vLLM engine and take <= ~5 s (under a minute).
 test-fast: lint
 	$(PY) -m pytest -q -m "not ray and not slow" tests
 

@@ -27,7 +27,7 @@ from raygraph.graph import InputNode, MultiOutputNode, dapo, whole_batch
 from raygraph.graph.fragments import advantages, rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")   # group-relative estimators: a kept group is self-contained
+ESTIMATORS = ("grpo", "dr_grpo", "rloo")   # group-relative estimators: a kept group is self-contained
 
 
 def build(roles, cfg, *, metric: str = "acc"):

@@ -11,9 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+from raygraph import errors
+
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG = 0, errors.EXIT_FAILED, errors.EXIT_BAD_INPUT
 
 EPILOG = """\
 exit codes:
@@ -121,7 +123,7 @@ def _load(config: str, overrides: list[str]):
         return cfg
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-    except (GraphBuildError, ValueError) as exc:
+    except (GraphBuildError, ValueError) as exc:   # ValueError: raised by a workflow's own build()
         print(f"1 config problem in {config}:\n  - workflow {exc}", file=sys.stderr)
     return None
 
@@ -186,14 +188,13 @@ def _train(args: argparse.Namespace) -> int:
     except RunStopped as exc:
         print(f"raygraph train: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except (RaygraphError, FileNotFoundError, ValueError) as exc:
-        # Errors with a complete, actionable message: no traceback wall (RAYGRAPH_DEBUG=1 shows it).
-        # RaygraphError is the family raised on purpose (raygraph.errors); the plain ValueError /
-        # FileNotFoundError raises of the setup code are not all moved under it yet.
+    except RaygraphError as exc:
+        # Raised on purpose with a complete, actionable message (raygraph.errors): no traceback
+        # wall (RAYGRAPH_DEBUG=1 shows it). Anything else is a bug and keeps its traceback.
         if os.environ.get("RAYGRAPH_DEBUG"):
             raise
         print(f"raygraph train: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return exc.exit_code if isinstance(exc, RaygraphError) else EXIT_FAILED
+        return exc.exit_code
     return 128 + summary.stop_signal if summary.stop_signal else EXIT_OK
 
 

@@ -13,7 +13,7 @@ catches those still works.
 from __future__ import annotations
 
 __all__ = ["RaygraphError", "ConfigInvalid", "DataInvalid", "RoleFailed", "CheckpointInvalid", "RewardFailed",
-           "RecoveryFailed", "EXIT_FAILED", "EXIT_BAD_INPUT"]
+           "RecoveryFailed", "BadConfig", "BadData", "MissingInput", "EXIT_FAILED", "EXIT_BAD_INPUT"]
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
@@ -50,3 +50,15 @@ class RewardFailed(RaygraphError):
 
 class RecoveryFailed(RaygraphError):
     """Training could not go on: no step updated the policy, or recovery gave up."""
+
+
+class BadConfig(ConfigInvalid, ValueError):
+    """A setting that cannot be honoured (found after the schema's checks, e.g. against this machine)."""
+
+
+class BadData(DataInvalid, ValueError):
+    """Data, a tokenizer or a built asset that does not fit the config."""
+
+
+class MissingInput(DataInvalid, FileNotFoundError):
+    """A file or directory the config names does not exist."""

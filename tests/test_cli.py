@@ -36,6 +36,7 @@ def _validate_subprocess(*args: str) -> tuple[subprocess.CompletedProcess, float
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_validate_ok_prints_resolved_config_without_ray():
     result, seconds = _validate_subprocess(TOY, "rollout.n=8")
     assert result.returncode == 0, result.stderr
@@ -45,6 +46,7 @@ def test_validate_ok_prints_resolved_config_without_ray():
     assert seconds < 20, f"validate took {seconds:.1f} s"
 
 
+@pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_validate_misspelled_key_exits_2_with_path_and_suggestion(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(TOY).read_text().replace("  n: 4\n", "  n: 4\n  temprature: 0.7\n"))
@@ -56,6 +58,7 @@ def test_validate_misspelled_key_exits_2_with_path_and_suggestion(tmp_path):
     assert seconds < 20, f"validate took {seconds:.1f} s"
 
 
+@pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_validate_builds_the_graph_and_names_a_misspelt_method_without_ray(tmp_path):
     algo = tmp_path / "algo.py"
     algo.write_text("from raygraph.graph import InputNode, MultiOutputNode\n\n"
@@ -153,7 +156,7 @@ def test_train_names_a_tokenizer_without_chat_template_and_the_fix(tmp_path, cap
                  f"data.train_files=[{tmp_path / 'toy' / 'train.parquet'}]",
                  f"data.val_files=[{tmp_path / 'toy' / 'val.parquet'}]"])
     err = capsys.readouterr().err
-    assert code == 1, err
+    assert code == 2, err   # BadData: fix the input and rerun
     assert f"the tokenizer at {model} has no chat template" in err and "data.apply_chat_template=false" in err
     assert "Traceback" not in err
 

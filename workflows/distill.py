@@ -31,7 +31,7 @@ from raygraph.graph import InputNode, MultiOutputNode, whole_batch
 from raygraph.graph.fragments import rollout_columns
 
 ROLES = ("policy", "rollout", "reward", "teacher")
-ADVANTAGES = ()   # no registered estimator: the advantages are the teacher's log-ratios
+ESTIMATORS = ()   # no registered estimator: the advantages are the teacher's log-ratios
 TEACHER_LOGPROBS = "teacher_logprobs"   # the teacher role's column (`<role>_logprobs`)
 
 

@@ -20,7 +20,7 @@ from raygraph.graph.fragments import reference_logprobs
 
 ROLES = ("policy", "reference", "rollout", "reward")
 DATA_FORMAT = "dpo"
-ADVANTAGES = ()  # no advantage estimator: algorithm.advantage must stay unset
+ESTIMATORS = ()  # no advantage estimator: algorithm.advantage must stay unset
 
 
 def build(roles, cfg):

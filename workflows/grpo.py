@@ -14,7 +14,7 @@ Asynchronous (`placement.max_staleness=1`, disaggregated placement only), one-st
            └► rollout.prefetch_next (the next step's prompts, with the weights of now) ─┴► weight sync
 
 How this departs from the paper (all config, same file):
-- The advantage estimator is `algorithm.advantage`, one of ADVANTAGES: `grpo` (paper, the
+- The advantage estimator is `algorithm.advantage`, one of ESTIMATORS: `grpo` (paper, the
   default), `dr_grpo` (no std division, Liu et al. 2025), or another outcome estimator.
 - Loss aggregation is `actor.loss_agg` (`token-mean` is DAPO's choice; the paper's per-sequence
   mean is `seq-mean-token-mean`).
@@ -51,12 +51,12 @@ from raygraph.graph.fragments import (
 )
 
 ROLES = ("policy", "rollout", "reward")
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
 MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
 
 
 def build(roles, cfg):
-    """Build the per-step DAG; `cfg.algorithm.advantage` is one of ADVANTAGES (checked by the config)."""
+    """Build the per-step DAG; `cfg.algorithm.advantage` is one of ESTIMATORS (checked by the config)."""
     pipelined = cfg.placement.max_staleness > 0
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate",

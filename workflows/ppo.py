@@ -21,7 +21,7 @@ from raygraph.graph import InputNode, MultiOutputNode, whole_batch
 from raygraph.graph.fragments import advantages, rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward", "critic")
-ADVANTAGES = ("gae",)
+ESTIMATORS = ("gae",)
 
 
 def build(roles, cfg):

@@ -12,6 +12,6 @@ from __future__ import annotations
 from raygraph.workflows import grpo
 
 ROLES = grpo.ROLES
-ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline")
+ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
 MAX_STALENESS = grpo.MAX_STALENESS
 build = grpo.build

@@ -17,7 +17,7 @@ from raygraph.graph import InputNode, MultiOutputNode, whole_batch
 from raygraph.graph.fragments import advantages, rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward")
-ADVANTAGES = ("remax",)
+ESTIMATORS = ("remax",)
 
 
 def build(roles, cfg):

@@ -12,6 +12,6 @@ from __future__ import annotations
 from raygraph.workflows import grpo
 
 ROLES = grpo.ROLES
-ADVANTAGES = ("rloo",)
+ESTIMATORS = ("rloo",)
 MAX_STALENESS = grpo.MAX_STALENESS
 build = grpo.build

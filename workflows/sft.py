@@ -20,7 +20,7 @@ from raygraph.graph import InputNode, MultiOutputNode
 
 ROLES = ("policy", "rollout", "reward")
 DATA_FORMAT = "sft"
-ADVANTAGES = ()  # no advantage estimator: algorithm.advantage must stay unset
+ESTIMATORS = ()  # no advantage estimator: algorithm.advantage must stay unset
 
 
 def build(roles, cfg):

@@ -14,6 +14,7 @@ import time
 
 import ray
 
+from raygraph.cluster.actor_ids import actor_id
 from raygraph.cluster.errors import CallSite, wait_calls
 from raygraph.cluster.roles import Roles, RoleSpec
 
@@ -79,6 +80,6 @@ def _start(roles: Roles, name: str, cls, options: dict, args: tuple):
 def _name_of(roles: Roles, actor) -> str | None:
     for group in roles.groups.values():
         for a, site in zip(group.actors, group.sites):
-            if a._actor_id == actor._actor_id:
+            if actor_id(a) == actor_id(actor):
                 return site.actor_name
     return None

@@ -19,6 +19,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raygraph.cluster import tasks
+from raygraph.cluster.actor_ids import actor_id
 from raygraph.cluster.errors import CallSite, wait_calls
 from raygraph.cluster.host import Coordinator, RoleHost
 from raygraph.cluster.pools import PoolSpec, create_pool, remove_pool
@@ -166,7 +167,7 @@ class Roles:
         calls unavailable (unreachable, e.g. on a node whose death Ray has not declared yet)."""
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        names = {group.actors[r]._actor_id: site.actor_name
+        names = {actor_id(group.actors[r]): site.actor_name
                  for group in self.groups.values() for r, site in enumerate(group.sites)}
         actors = [a for a in [*self.hosts, self.coordinator] if a is not None]
         refs = {a.ping.remote(): a for a in actors}
@@ -179,8 +180,8 @@ class Roles:
                 continue
             except RayActorError:
                 actor = refs[ref]
-                dead.append(names.get(actor._actor_id, f"{self.run_name}/coordinator"
-                                      if actor is self.coordinator else actor._actor_id.hex()))
+                dead.append(names.get(actor_id(actor), f"{self.run_name}/coordinator"
+                                      if actor is self.coordinator else actor_id(actor)))
         return sorted(set(dead))
 
     # --- teardown ---------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ def _init_distributed(roles: Roles, specs: dict[str, RoleSpec], timeout_s: float
     refs, sites, methods = [], [], []
     for role, spec in specs.items():
         group = roles.groups[role]
-        key = tuple(a._actor_id for a in group.actors)
+        key = tuple(actor_id(a) for a in group.actors)
         if not spec.distributed or key in done:
             continue
         done.add(key)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from raygraph.cluster import tasks
+from raygraph.cluster.actor_ids import actor_id
 from raygraph.cluster.errors import CallSite, wait_calls
 
 if TYPE_CHECKING:
@@ -66,9 +67,9 @@ class WeightSync:
     def reconnect(self, actors: Sequence[Any]) -> list[tuple[str, str]]:
         """Create a fresh collective group for every pair with a member among `actors` (started
         again after a death: the old group still names the dead process); returns those pairs."""
-        ids = {a._actor_id for a in actors}
+        ids = {actor_id(a) for a in actors}
         pairs = [(src, dst) for src, dst in self._collectives
-                 if ids & {a._actor_id for a in (self.groups[src].actors[0], *self.groups[dst].actors)}]
+                 if ids & {actor_id(a) for a in (self.groups[src].actors[0], *self.groups[dst].actors)}]
         self.connect(pairs)
         return pairs
 

@@ -42,7 +42,7 @@ __all__ = ["Bucket", "WeightTransport", "InProcessTransport", "CollectiveTranspo
 Bucket = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[Iterable[Bucket], int], Any]   # rollout_worker.load_weights(buckets, version)
 _ALIGN = 16
-_HEADER = 16 << 10   # bytes: two int64 lengths + the pickled meta of a typical bucket
+_HEADER = 16 << 10   # bytes: two int64 lengths + the JSON meta of a typical bucket
 
 
 def bucket_checksum(tensors: Iterable[torch.Tensor]) -> int:

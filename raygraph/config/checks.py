@@ -32,7 +32,7 @@ def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> li
 
 
 def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
-    """The config against the workflow's declarations (ROLES, ADVANTAGES, MAX_STALENESS)."""
+    """The config against the workflow's declarations (ROLES, ESTIMATORS, MAX_STALENESS)."""
     problems, advantage = [], cfg.algorithm.advantage
     unknown = [r for r in workflow.roles if r not in ROLES and r not in cfg.extra_roles]
     if unknown:
@@ -112,7 +112,7 @@ def _dapo(cfg: RaygraphConfig) -> list[str]:
 
 
 def _groups(cfg: RaygraphConfig) -> list[str]:
-    advantage, n = cfg.advantage_estimator, cfg.rollout.n
+    advantage, n = cfg.algorithm.advantage, cfg.rollout.n
     if "group_ids" not in estimator_needs(advantage) or cfg.data.format != "rl":
         return []
     if n < 2:
@@ -206,7 +206,7 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
 
 def _vllm(cfg: RaygraphConfig) -> list[str]:
     rollout, place = cfg.rollout, cfg.placement
-    if cfg.rollout_engine != "vllm":
+    if cfg.resolved_rollout_engine != "vllm":
         vllm_only = [k for k in ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching")
                      if getattr(rollout, k) is not None] + (["sleep_between_steps"] if rollout.sleep_between_steps
                                                            else [])
@@ -236,7 +236,7 @@ def _rollout_gpus(cfg: RaygraphConfig) -> float:
 def _vllm_cpu_seeding(cfg: RaygraphConfig) -> list[str]:
     """vLLM's CPU build runs raygraph's seeded rows without chunked prefill (issue 29); a model
     that needs chunked prefill there is refused here rather than at the engine's start."""
-    if cfg.rollout_engine != "vllm" or _rollout_gpus(cfg) > 0 or importlib.util.find_spec("vllm") is None:
+    if cfg.resolved_rollout_engine != "vllm" or _rollout_gpus(cfg) > 0 or importlib.util.find_spec("vllm") is None:
         return []
     reason = vllm_compat.seeded_sampling_problem(cfg.model.path, cfg.rollout.enable_prefix_caching)
     return [] if reason is None else [f"rollout.enable_prefix_caching: {reason}; set "

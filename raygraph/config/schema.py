@@ -393,13 +393,7 @@ class RaygraphConfig(Section):
         return self.data.prompts_per_step * self.rollout.n
 
     @property
-    def advantage_estimator(self) -> str | None:
-        """algorithm.advantage; the config loader sets it to the workflow's default when unset,
-        and it stays None for a workflow that computes no advantages (sft, dpo)."""
-        return self.algorithm.advantage
-
-    @property
-    def rollout_engine(self) -> str:
+    def resolved_rollout_engine(self) -> str:
         """rollout.engine, resolved: "hf" or "vllm" (see the key's description for auto)."""
         engine = self.rollout.engine
         if engine != "auto":
@@ -410,7 +404,7 @@ class RaygraphConfig(Section):
     @property
     def uses_critic(self) -> bool:
         """True when the advantage estimator needs a value model (declared with the estimator)."""
-        return "values" in estimator_needs(self.advantage_estimator)
+        return "values" in estimator_needs(self.algorithm.advantage)
 
     @property
     def uses_kl(self) -> bool:

@@ -215,7 +215,7 @@ class OverlongPenaltyConfig(Section):
 class AlgorithmConfig(Section):
     advantage: str | None = Field(None, description="Advantage estimator by registry name "
                                                       "(raygraph.algos.advantages), one of those the workflow "
-                                                      "accepts (its ADVANTAGES); null = the workflow's default. "
+                                                      "accepts (its ESTIMATORS); null = the workflow's default. "
                                                       "Workflows without advantages (sft, dpo) reject a value. "
                                                       "A user estimator (registered by a plugin, or "
                                                       "my_code.py:my_estimator) is accepted by any workflow "

@@ -3,7 +3,7 @@
 Resolving it imports the workflow module and reads what it declares (module-level constants):
 
     ROLES          the roles its graph binds (the reference role is added whenever a KL term is on)
-    ADVANTAGES     the advantage estimators it accepts, the first being the default; () when it
+    ESTIMATORS     the advantage estimators it accepts, the first being the default; () when it
                    computes no advantages (SFT, DPO); undeclared = any registered estimator,
                    default "grpo"
     DATA_FORMAT    "rl" prompts (default), "sft" prompt/response pairs or "dpo" preference pairs
@@ -41,16 +41,7 @@ from raygraph.errors import ConfigInvalid
 
 __all__ = ["Workflow", "WorkflowError", "workflow_names", "load_workflow", "check_workflow_ref"]
 
-DEFAULT_ADVANTAGE = "grpo"   # for a workflow that does not declare ADVANTAGES
-
-# Modules of raygraph < 0.2 that a workflow written against the old layout may import.
-_MOVED = {
-    "raygraph.dag": "from raygraph.graph import InputNode, MultiOutputNode",
-    "raygraph.steps": "from raygraph.graph import whole_batch (then whole_batch.compute_advantages, ...)",
-    "raygraph.workflow_parts": "from raygraph.graph.fragments import rollout_columns",
-    "raygraph.workflow_loader": "from raygraph.config.workflow_ref import load_workflow",
-    "workflows": "from raygraph.workflows import grpo",
-}
+DEFAULT_ADVANTAGE = "grpo"   # for a workflow that does not declare ESTIMATORS
 
 
 class WorkflowError(ConfigInvalid, ValueError):
@@ -142,12 +133,8 @@ def _import(ref: str):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except ModuleNotFoundError as exc:
-        hint = _MOVED.get(exc.name or "")
-        if hint is None:
-            raise
-        raise WorkflowError(f"workflow file {path!r} imports {exc.name!r}, which moved in raygraph 0.2; "
-                            f"use: {hint} (see docs/custom-algorithm.md)") from None
+    except ImportError as exc:   # the file's own imports: say which file, without a traceback wall
+        raise WorkflowError(f"workflow file {path!r} cannot be imported: {type(exc).__name__}: {exc}") from None
     return module, attr
 
 
@@ -165,11 +152,13 @@ def load_workflow(ref: str) -> Workflow:
     build = getattr(module, attr, None)
     if not callable(build):
         raise WorkflowError(f"workflow {ref!r} has no callable {attr!r}")
-    advantages = getattr(module, "ADVANTAGES", None)
+    if isinstance(getattr(module, "ADVANTAGES", None), (tuple, list)):   # the column name is a str: fine
+        raise WorkflowError(f"workflow {ref!r} declares ADVANTAGES; the estimators a workflow accepts are "
+                            "declared as ESTIMATORS (ADVANTAGES is the column name in raygraph.batch)")
+    advantages = getattr(module, "ESTIMATORS", None)
     if advantages is not None and (isinstance(advantages, str)
                                    or not all(isinstance(a, str) for a in advantages)):
-        hint = " (the column name raygraph.batch.ADVANTAGES imported under that name?)" if advantages == "advantages" else ""
-        raise WorkflowError(f"workflow {ref!r}: ADVANTAGES must be a tuple of estimator names, got {advantages!r}{hint}")
+        raise WorkflowError(f"workflow {ref!r}: ESTIMATORS must be a tuple of estimator names, got {advantages!r}")
     declared = getattr(module, "ARGS", None)
     if declared is not None and not (isinstance(declared, type) and issubclass(declared, BaseModel)):
         raise WorkflowError(f"workflow {ref!r}: ARGS must be a pydantic model class, got {declared!r}")

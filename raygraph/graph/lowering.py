@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from raygraph.cluster import tasks
+from raygraph.cluster.actor_ids import actor_id
 from raygraph.cluster.errors import CallSite
 from raygraph.graph.builder import GraphBuildError
 from raygraph.graph.nodes import (
@@ -74,7 +75,7 @@ class _Lowerer:
     def emit(self, actor, task: tasks.Task, inputs: list[tuple], site: CallSite) -> list[tuple]:
         op = PhysOp(len(self.plan.ops), actor, task, inputs, site)
         self.plan.ops.append(op)
-        self.plan.sites[actor._actor_id.hex()] = site
+        self.plan.sites[actor_id(actor)] = site
         return [(op.id, i) for i in range(task.n_out)]
 
     def coordinator(self, task: tasks.Task, inputs: list[tuple]) -> list[tuple]:
@@ -198,14 +199,14 @@ def fuse_single_actor(plan: Plan) -> Plan:
     Plans touching several role actors are returned unchanged.
     """
     role_ops = [op for op in plan.ops if op.task.op not in tasks.WHOLE_OPS]
-    if not role_ops or len({op.actor._actor_id for op in role_ops}) != 1:
+    if not role_ops or len({actor_id(op.actor) for op in role_ops}) != 1:
         return plan
     host = role_ops[0]
     subs = tuple((op.task, tuple(op.inputs), tuple((op.id, i) for i in range(op.task.n_out)))
                  for op in plan.ops)
     task = tasks.Task("plan", method="fused", n_out=len(plan.outputs),
                       extra={"ops": subs, "outputs": tuple(plan.outputs)})
-    fused = Plan(sites={host.actor._actor_id.hex(): host.site}, fused=True)
+    fused = Plan(sites={actor_id(host.actor): host.site}, fused=True)
     fused.ops.append(PhysOp(0, host.actor, task, [INPUT], host.site))
     fused.outputs = [(0, i) for i in range(task.n_out)]
     return fused

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from raygraph.errors import MissingInput
 from raygraph.workers.safe_load import CheckpointError
 
 __all__ = ["CheckpointError", "CheckpointWriter", "latest", "list_complete", "read_trainer_state",
@@ -155,7 +156,7 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     if not (path / _COMPLETE).is_file():
         path = latest(path)  # a run directory was given
         if path is None:
-            raise FileNotFoundError(f"trainer.resume={resume!r} is neither a complete checkpoint nor a run "
+            raise MissingInput(f"trainer.resume={resume!r} is neither a complete checkpoint nor a run "
                                     f"directory with one (a complete checkpoint holds a {_COMPLETE} file)")
     verify(path)
     return path

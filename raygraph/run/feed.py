@@ -12,6 +12,7 @@ from typing import Any
 from raygraph.batch import EXTRA_PROMPTS, NEXT_PROMPTS, UID, Batch
 from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
 from raygraph.data.sampler import MixedSampler
+from raygraph.errors import BadData
 from raygraph.models.loading import load_tokenizer
 from raygraph.run.data_checks import check_data
 
@@ -49,7 +50,7 @@ class StepData:
         tokenizer = load_tokenizer(tokenizer_path)
         d = cfg.data
         if d.apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(f"data.apply_chat_template is true but the tokenizer at {tokenizer_path} has no chat "
+            raise BadData(f"data.apply_chat_template is true but the tokenizer at {tokenizer_path} has no chat "
                              "template: set data.apply_chat_template=false (prompts are then the messages' text), "
                              "or point model.tokenizer_path at a tokenizer with one")
 

@@ -30,7 +30,7 @@ _TORCH = lambda cfg: "torch"   # noqa: E731 - a kind with one engine: plain PyTo
 # Role kind (`raygraph.config.role_kinds`) -> (engine -> worker class, the config's choice of engine).
 WORKERS: dict[str, tuple[dict[str, type], Callable[[RaygraphConfig], str]]] = {
     "policy": ({"torch": PolicyWorker}, _TORCH),
-    "rollout": (ROLLOUT_ENGINES, lambda cfg: cfg.rollout_engine),
+    "rollout": (ROLLOUT_ENGINES, lambda cfg: cfg.resolved_rollout_engine),
     "reference": ({"torch": ReferenceWorker}, _TORCH),
     "critic": ({"torch": CriticWorker}, _TORCH),
     "reward": (_REWARD_WORKERS, lambda cfg: cfg.reward.kind),
@@ -43,7 +43,7 @@ def worker_classes(cfg: RaygraphConfig, role_names: tuple[str, ...]) -> dict[str
     in the order of the role kinds (then `extra_roles`).
 
     Raises:
-        ValueError: the workflow names a role raygraph does not have.
+        GraphBuildError: the workflow names a role raygraph does not have.
     """
     known = (*ROLES, *cfg.extra_roles)
     wanted = set(role_names) | ({"reference"} if cfg.uses_reference else set())
@@ -51,7 +51,7 @@ def worker_classes(cfg: RaygraphConfig, role_names: tuple[str, ...]) -> dict[str
         wanted.discard("reference")   # policy.ref_logprobs: the policy with its adapter disabled
     unknown = wanted - set(known)
     if unknown:
-        raise ValueError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(known)} (a role "
+        raise GraphBuildError(f"workflow asks for unknown roles {sorted(unknown)}; known: {sorted(known)} (a role "
                          f"of the workflow's own is a frozen model given in extra_roles.<role>.model_path)")
     out = {}
     for name in (r for r in known if r in wanted):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from raygraph.config.role_kinds import kind_of
-from raygraph.errors import CheckpointInvalid
+from raygraph.errors import BadConfig, CheckpointInvalid
 from raygraph.run import checkpoint
 
 __all__ = ["RESUMABLE", "ResumeError", "ResumePlan", "config_changes", "default_run_name", "plan", "record",
@@ -75,7 +75,7 @@ def default_run_name(environ=os.environ) -> tuple[str, str]:
     if environ.get("RAYGRAPH_RUN_NAME"):
         name = environ["RAYGRAPH_RUN_NAME"]
         if name in (".", "..") or "/" in name or "\\" in name:
-            raise ValueError(f"RAYGRAPH_RUN_NAME={name!r} must be a plain name (no '/', '\\', '.' or '..')")
+            raise BadConfig(f"RAYGRAPH_RUN_NAME={name!r} must be a plain name (no '/', '\\', '.' or '..')")
         return name, "RAYGRAPH_RUN_NAME"
     if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
         return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}", "SLURM_ARRAY_JOB_ID"

@@ -109,7 +109,7 @@ def _rollout_args(cfg) -> dict:
     sampling = {"model_path": cfg.model.path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed, "n": r.n,
                 "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "top_k": r.top_k, "stop_token_ids": tuple(r.stop_token_ids)}
-    if cfg.rollout_engine == "vllm":
+    if cfg.resolved_rollout_engine == "vllm":
         longest = cfg.data.max_prompt_length + r.max_new_tokens   # what the run can send
         return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization,
                 "max_model_len": r.max_model_len or longest,

@@ -13,6 +13,7 @@ from pathlib import Path
 from raygraph.config import to_yaml
 from raygraph.data.toy import write_toy_dataset
 from raygraph.data.word_problems import write_word_problems
+from raygraph.errors import BadConfig, BadData, MissingInput
 from raygraph.models.tiny import build_tiny_lm, built_size
 from raygraph.run import resume
 from raygraph.run.resume import ResumePlan, default_run_name
@@ -50,7 +51,7 @@ def check_model_path(cfg) -> None:
     model not fetched yet: said now, before Ray starts, and never replaced by a random model."""
     path = cfg.model.path
     if cfg.model.tiny is None and _looks_local(path) and not Path(path).expanduser().exists():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"model.path {path} does not exist (working directory {Path.cwd()}). A missing model is never "
             "replaced by a random one: fix the path, or set model.tiny=<preset> (e.g. model.tiny=tiny, leaving "
             "model.path out) to train a random-init tiny model")
@@ -75,7 +76,7 @@ def check_local_cpus(bundles: list[tuple[str, float]], machine_cpus: int) -> Non
     (On a cluster, a bundle larger than every node never gets placed: `placement_timeout_s`.)"""
     for key, cpus in bundles:
         if cpus > machine_cpus:
-            raise ValueError(f"{key}={cpus:g} is more than this machine's {machine_cpus} CPUs: on a local Ray each "
+            raise BadConfig(f"{key}={cpus:g} is more than this machine's {machine_cpus} CPUs: on a local Ray each "
                              f"worker would run {int(cpus)} torch threads on {machine_cpus} cores, many times "
                              f"slower. Set it to at most {machine_cpus}, or join a cluster (trainer.ray_address) "
                              "whose nodes are that large")
@@ -92,7 +93,7 @@ def ensure_assets(cfg) -> None:
         _ensure_toy_data(toy, Path(cfg.data.train_files[0]).parent, files)
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
-        raise FileNotFoundError(f"data files not found: {', '.join(missing)} "
+        raise MissingInput(f"data files not found: {', '.join(missing)} "
                                 f"(make toy data with `raygraph data toy --out DIR`)")
 
 
@@ -109,7 +110,7 @@ def _ensure_tiny_model(preset: str, path: Path, seed: int) -> None:
         except OSError:   # another run built it meanwhile: theirs is the same preset
             shutil.rmtree(building, ignore_errors=True)
     elif existing != preset:
-        raise ValueError(f"{path} holds a tiny model of size {existing!r}, not model.tiny={preset!r}: delete "
+        raise BadData(f"{path} holds a tiny model of size {existing!r}, not model.tiny={preset!r}: delete "
                          "that directory to build it again")
     else:
         print(f"[raygraph] model.tiny={preset}: using the RANDOM-INIT tiny model at {path}", flush=True)
@@ -123,7 +124,7 @@ def _ensure_toy_data(toy, out_dir: Path, files: list[str]) -> None:
     if all(Path(f).is_file() for f in files):
         written = json.loads(stamp.read_text()) if stamp.is_file() else None
         if written is not None and written != wanted:
-            raise ValueError(f"{out_dir} holds toy data written with data.toy={written}, not this config's "
+            raise BadData(f"{out_dir} holds toy data written with data.toy={written}, not this config's "
                              f"data.toy={wanted}: point data.train_files/val_files at another folder, or "
                              f"delete {out_dir} to write it again")
         return

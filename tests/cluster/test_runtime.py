@@ -310,3 +310,21 @@ def test_actor_threads_follow_its_cpu_share(dummies):
         assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "1"
     with build_roles("test-runtime/threads3", pools, alone, env_vars={"OMP_NUM_THREADS": "3"}) as roles:
         assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "3"
+
+
+@ray.remote(num_cpus=0)
+class _SaysItsId:
+    def my_id(self) -> str:
+        return ray.get_runtime_context().get_actor_id()
+
+
+def test_the_actor_id_read_from_a_handle_is_the_id_the_actor_has(ray_local):
+    """`raygraph.cluster.actor_ids.actor_id` is the only read of a private Ray attribute: it must
+    stay equal to Ray's public in-actor id (a Ray upgrade that moves it fails here)."""
+    from raygraph.cluster.actor_ids import actor_id
+
+    handle = _SaysItsId.remote()
+    try:
+        assert actor_id(handle) == ray.get(handle.my_id.remote())
+    finally:
+        ray.kill(handle)

@@ -85,7 +85,7 @@ def test_a_misspelt_model_path_fails_clearly_and_never_builds_a_random_model(tmp
     assert f"model.path {typo} does not exist (working directory " in capsys.readouterr().err
     code = main(["train", TOY, *real, "logging.mlflow=false"])
     err = capsys.readouterr().err
-    assert code == 1 and f"FileNotFoundError: model.path {typo} does not exist" in err, err
+    assert code == 2 and f"MissingInput: model.path {typo} does not exist" in err, err
     assert "never replaced by a random one" in err and "Traceback" not in err
     assert not typo.exists() and not (tmp_path / "runs").exists()    # no model, no run directory
 

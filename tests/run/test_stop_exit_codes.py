@@ -13,6 +13,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # a `raygraph train` subprocess: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 TOY = str(ROOT / "configs" / "grpo_toy.yaml")
 

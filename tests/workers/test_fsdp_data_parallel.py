@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -97,6 +98,7 @@ def _rank_main(rank: int, port: int, model_path: str, batch: Batch, out_dir: str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_two_fsdp_ranks_with_uneven_shards_equal_one_rank(tiny_model_path, rollout_batch, tmp_path):
     batch = _training_batch(rollout_batch)
     mp.start_processes(_rank_main, args=(find_free_port(), tiny_model_path, batch, str(tmp_path)), nprocs=WORLD,

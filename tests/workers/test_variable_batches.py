@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -104,6 +105,7 @@ def _rank_main(rank: int, port: int, model_path: str, cases: dict, out_dir: str)
         dist.destroy_process_group()
 
 
+@pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_two_ranks_train_a_filtered_batch_as_one_rank_trains_its_kept_rows(tiny_model_path, rollout_batch,
                                                                             tmp_path):
     cases = {name: _advantages(dapo.filter_groups(_scored(rollout_batch, acc), metric="acc"))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow   # a vLLM engine start: not in `make test-fast`
+
 pytest.importorskip("vllm")
 
 from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSES, UID, Batch  # noqa: E402
