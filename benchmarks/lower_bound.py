@@ -8,7 +8,7 @@ The lower bound runs one GRPO step's compute sequentially in THIS process with t
 no Ray: prompts -> `rollout.generate` -> `reward.score` -> `policy.logprobs` (only when
 `actor.old_logprobs` resolves to recompute, as in the workflow) -> `reference.logprobs` (when
 the config uses a KL term) -> `whole_batch.compute_advantages` ->
-`policy.update` -> `rollout.load_weights(policy.weight_buckets())` -> `whole_batch.rollout_metrics`.
+`policy.update` -> `rollout.load_weights(policy.weight_buckets())` -> `step_metrics.rollout_metrics`.
 Same model, data order, seeds and warm start as `raygraph train`, so both sides sample the same
 responses (`same_samples` compares their per-step reward means).
 
@@ -104,7 +104,7 @@ class LowerBound:
         self.w["rollout"].load_weights(self.w["policy"].weight_buckets(self.bucket_bytes), 1)
 
     def step(self, step: int) -> dict:
-        from raygraph.graph import whole_batch
+        from raygraph.graph import step_metrics, whole_batch
 
         torch.set_num_threads(self.threads)
         w, alg, seconds = self.w, self.cfg.algorithm, {}
@@ -129,7 +129,7 @@ class LowerBound:
         metrics = timed("policy.update", w["policy"].update, batch)
         timed("rollout.load_weights", w["rollout"].load_weights, w["policy"].weight_buckets(self.bucket_bytes),
               step + 1)
-        metrics.update(timed("apply_rollout_metrics", whole_batch.rollout_metrics, batch))
+        metrics.update(timed("apply_rollout_metrics", step_metrics.rollout_metrics, batch))
         step_s = time.perf_counter() - t0
         self.kl_ctl.update(metrics.get("actor/kl_in_reward", 0.0), len(prompts) * self.cfg.rollout.n)
         return {"step_s": step_s, "reward/mean": metrics["reward/mean"], **seconds}

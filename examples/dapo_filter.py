@@ -23,7 +23,7 @@ loop: `dapo.refill_prompts` and `dapo.add_round`); this file shows the pieces. U
 
 from __future__ import annotations
 
-from raygraph.graph import InputNode, MultiOutputNode, dapo, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, dapo, step_metrics
 from raygraph.graph.fragments import advantages, rollout_columns
 
 ROLES = ("policy", "rollout", "reward")
@@ -37,5 +37,5 @@ def build(roles, cfg, *, metric: str = "acc"):
         kept = roles.apply(dapo.filter_groups, scored, metric=metric)
         batch = advantages(roles, cfg, kept, prompts)
         update = roles.policy.bind("update", batch)
-        metrics = [roles.apply(whole_batch.rollout_metrics, scored), roles.apply(dapo.shaping_metrics, kept)]
+        metrics = [roles.apply(step_metrics.rollout_metrics, scored), roles.apply(dapo.shaping_metrics, kept)]
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update), *metrics])

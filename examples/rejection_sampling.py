@@ -23,7 +23,7 @@ from raygraph.batch import (
     RESPONSES,
     Batch,
 )
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics, whole_batch
 
 ROLES = ("policy", "rollout", "reward")
 
@@ -45,4 +45,4 @@ def build(roles, cfg):
         scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
         update = roles.policy.bind("sft_update", roles.apply(accepted_as_sft, scored))
         sync = roles.sync_weights(after=update)
-        return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, scored)])
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(step_metrics.rollout_metrics, scored)])

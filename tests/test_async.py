@@ -28,7 +28,7 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.config import ConfigError, load_config
-from raygraph.graph import whole_batch
+from raygraph.graph import corrections
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "configs" / "toy" / "grpo_kl_loss.yaml"   # disaggregated: policy+reference | rollout+reward
@@ -131,9 +131,9 @@ def _scored(staleness: list[int], old: list[list[float]], rollout_lp: list[list[
 def test_is_weights_are_exactly_one_on_fresh_rows():
     # log-probs from two engines differ in the last digits even with the same weights
     batch = _scored([0, 0], [[-1.0, -2.0, 0.0], [-0.5, -0.25, 0.0]], [[-1.00001, -1.99999, 0.0], [-0.5, -0.3, 0.0]])
-    out = whole_batch.truncated_importance_weights(batch, cap=2.0)
+    out = corrections.truncated_importance_weights(batch, cap=2.0)
     assert torch.equal(out[ADVANTAGES], batch[ADVANTAGES])
-    m = whole_batch.off_policy_metrics(out, cap=2.0)
+    m = corrections.off_policy_metrics(out, cap=2.0)
     assert m == {"rollout/staleness": 0.0, "rollout/staleness_max": 0.0, "rollout/is_weight_mean": 1.0,
                  "rollout/is_weight_max": 1.0, "rollout/is_clipfrac": 0.0}
 
@@ -142,10 +142,10 @@ def test_is_weights_on_stale_rows_are_truncated_ratios():
     # row 0 is stale: ratios exp(-1 - -1.5) = e^0.5 = 1.6487 and exp(-1 - -3) = e^2 = 7.39 -> cap 2.0;
     # row 1 is fresh: weight 1 whatever its log-probs; position 2 is padding.
     batch = _scored([1, 0], [[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]], [[-1.5, -3.0, 0.0], [-2.0, -2.0, 0.0]])
-    out = whole_batch.truncated_importance_weights(batch, cap=2.0)
+    out = corrections.truncated_importance_weights(batch, cap=2.0)
     expected = torch.tensor([[2.0 * math.exp(0.5), 4.0, 2.0], [2.0, 2.0, 2.0]])
     assert torch.allclose(out[ADVANTAGES], expected)
-    m = whole_batch.off_policy_metrics(out, cap=2.0)
+    m = corrections.off_policy_metrics(out, cap=2.0)
     assert m["rollout/staleness"] == 0.5 and m["rollout/staleness_max"] == 1.0
     assert m["rollout/is_weight_mean"] == pytest.approx((math.exp(0.5) + 2.0 + 1.0 + 1.0) / 4)
     assert m["rollout/is_weight_max"] == 2.0 and m["rollout/is_clipfrac"] == 0.25

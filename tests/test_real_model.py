@@ -44,12 +44,13 @@ def test_vllm_logprobs_on_the_real_model_agree_with_the_policy(smollm2):
                                max_model_len=512, enforce_eager=True)   # as a run configures it
     try:
         rollouts = worker.generate(prompts)
-        # issue 29: seeded rows whose prompts exceed one scheduler batch (here max_model_len = 512
-        # tokens) once killed the CPU engine: 8 prompts x n=4 x ~40 tokens > 512
-        many = Batch({PROMPT_IDS: enc.input_ids.repeat(4, 1), PROMPT_MASK: enc.attention_mask.repeat(4, 1)},
-                     {UID: [f"p{i}" for i in range(8)]})
+        # issue 29: seeded rows whose prompt tokens exceed one scheduler step (4096 tokens here)
+        # once killed the CPU engine: 32 prompts x n=4 x ~45 tokens
+        budget = worker.engine.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        many = Batch({PROMPT_IDS: enc.input_ids.repeat(16, 1), PROMPT_MASK: enc.attention_mask.repeat(16, 1)},
+                     {UID: [f"p{i}" for i in range(32)]})
         big = worker.generate(many, n=4, temperature=1.0)
-        assert int(many[PROMPT_MASK].sum()) * 4 > 2 * 512 and len(big) == 32
+        assert int(many[PROMPT_MASK].sum()) * 4 > budget and len(big) == 128
         assert big[RESPONSE_MASK].sum(-1).min() >= 1
     finally:
         worker.close()

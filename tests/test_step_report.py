@@ -20,7 +20,7 @@ from raygraph.batch import PROMPT_BATCHES_USED, RESPONSE_MASK, TOKEN_LEVEL_SCORE
 from raygraph.config import load_config
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.errors import RaygraphError
-from raygraph.graph import GraphBuildError, whole_batch
+from raygraph.graph import GraphBuildError, step_metrics, whole_batch
 from raygraph.graph.nodes import ApplyNode, MultiOutputNode
 from raygraph.graph.report import StepReport, graph_facts, split_report, step_report
 from raygraph.run.graphs import build_graphs
@@ -32,7 +32,7 @@ TOY = str(REPO / "configs" / "grpo_toy.yaml")
 # DAPO shaping: settings that need either must be refused for it.
 _OWN_ADVANTAGES = '''
 from raygraph import batch as columns
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics
 
 ROLES = ("policy", "rollout", "reward")
 
@@ -48,7 +48,7 @@ def build(roles, cfg):
         batch = roles.apply(score_as_advantage, roles.gather(rollouts, roles.reward.bind("score", rollouts)))
         update = roles.policy.bind("update", batch)
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update),
-                                roles.apply(whole_batch.rollout_metrics, batch)])
+                                roles.apply(step_metrics.rollout_metrics, batch)])
 '''
 
 
@@ -77,7 +77,7 @@ def test_every_graph_ends_with_a_report_node_fed_by_the_batches_and_syncs_that_c
 def test_the_report_reads_version_kl_batches_used_and_rows_from_its_inputs():
     rows = Batch({TOKEN_LEVEL_SCORES: torch.tensor([[1.0], [0.0]]), RESPONSE_MASK: torch.ones(2, 1)},
                  {UID: np.array(["a", "b"], dtype=object)}, {"kl_in_reward": 0.25, "kl_coef": 0.1,
-                                                              whole_batch.DUMP_ROWS: 1})
+                                                              step_metrics.DUMP_ROWS: 1})
     shaped = Batch(dict(rows.tensors), dict(rows.non_tensors), {PROMPT_BATCHES_USED: 3})
     report = step_report(rows, shaped, {"weights/version": 7.0, "weights/bytes": 10.0}, n_batches=2)
     assert report == StepReport(weight_version=7, kl_in_reward=0.25, prompt_batches=3,

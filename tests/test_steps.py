@@ -18,7 +18,7 @@ from raygraph.batch import (
     UID,
     Batch,
 )
-from raygraph.graph import report, whole_batch
+from raygraph.graph import corrections, report, step_metrics, whole_batch
 
 _PLAIN = {"gamma": 1.0, "lam": 1.0, "eps": 1e-6, "kl_kind": "k1", "old_from_rollout": False}
 
@@ -38,14 +38,14 @@ def test_validation_accuracy_on_a_hand_made_case():
     batch = _scored([1.0, 0.0, 0.0, 1.0], ["a", "b", "c", "d"])
     batch = batch.with_columns(**{"reward_extra.acc": torch.tensor([1.0, 0.0, 0.0, 1.0]),
                                   "data_source": np.array(["x", "x", "y", "y"], dtype=object)})
-    m = whole_batch.validation_metrics(batch)
+    m = step_metrics.validation_metrics(batch)
     assert m["val/accuracy"] == 0.5
     assert m["val/accuracy@x"] == 0.5 and m["val/accuracy@y"] == 0.5
     assert m["val/reward/mean"] == 0.5
 
 
 def test_validation_accuracy_without_acc_column_counts_positive_scores():
-    m = whole_batch.validation_metrics(_scored([0.5, -1.0, 0.0], ["a", "b", "c"]))
+    m = step_metrics.validation_metrics(_scored([0.5, -1.0, 0.0], ["a", "b", "c"]))
     assert m["val/accuracy"] == pytest.approx(1 / 3)
 
 
@@ -87,7 +87,7 @@ def test_old_logprobs_from_the_rollout_or_standing_in_for_the_kl_metric():
 
 def test_rollout_metrics_report_reward_and_lengths():
     batch = _scored([1.0, 0.0, 0.5], ["a", "a", "b"], width=4, lengths=[4, 1, 2])
-    m = whole_batch.rollout_metrics(batch)
+    m = step_metrics.rollout_metrics(batch)
     assert m["reward/mean"] == pytest.approx(0.5)
     assert m["rollout/response_length_max"] == 4 and m["rollout/response_length_min"] == 1
     assert m["rollout/clip_ratio"] == pytest.approx(1 / 3)
@@ -101,15 +101,15 @@ def test_sample_records_are_the_rows_as_text_with_their_scores_and_mean_advantag
          ADVANTAGES: torch.tensor([[0.5, 0.5, 9.0], [-1.0, -2.0, -3.0]]),
          "reward_extra.acc": torch.tensor([1.0, 0.0])},
         {UID: np.array(["a", "b"], dtype=object), RESPONSE_TEXT: np.array(["4", "7"], dtype=object)},
-        {whole_batch.DUMP_ROWS: 1})
-    records = whole_batch.sample_records(batch)
+        {step_metrics.DUMP_ROWS: 1})
+    records = step_metrics.sample_records(batch)
     assert records[0] == {"uid": "a", "score": 1.0, "acc": 1.0, "advantage": 0.5, "response": "4"}
     assert records[1]["advantage"] == pytest.approx(-2.0)   # (-1 - 2 - 3) / 3 response tokens
     # the step report carries the rows the driver asked for (meta); metrics hold numbers only
     assert report.step_report(batch, n_batches=1).records == records[:1]
     no_dump = Batch(batch.tensors, batch.non_tensors, {})
     assert report.step_report(no_dump, n_batches=1).records == []
-    assert all(isinstance(v, float) for v in whole_batch.rollout_metrics(batch).values())
+    assert all(isinstance(v, float) for v in step_metrics.rollout_metrics(batch).values())
 
 
 def test_sampled_validation_pass_at_k_and_majority_vote_by_hand():
@@ -119,7 +119,7 @@ def test_sampled_validation_pass_at_k_and_majority_vote_by_hand():
     batch = Batch({"reward_extra.acc": acc, TOKEN_LEVEL_SCORES: acc[:, None], RESPONSE_MASK: torch.ones(8, 1)},
                   {UID: np.array(["a"] * 4 + ["b"] * 4, dtype=object),
                    RESPONSE_TEXT: np.array(["7", "3", " 3", "7 ", "1", "2", "2", "5"], dtype=object)})
-    m = whole_batch.sampled_validation_metrics(batch, n=4)
+    m = step_metrics.sampled_validation_metrics(batch, n=4)
     # a: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1, maj@4 = 1; b: all 0
     assert m == pytest.approx({"val/pass@1": 0.125, "val/pass@2": 0.25, "val/pass@4": 0.5, "val/maj@4": 0.5})
 
@@ -132,9 +132,9 @@ def _mismatched_batch():
 
 
 def test_truncated_rollout_correction_weights_every_token_by_the_capped_ratio():
-    out = whole_batch.correct_rollouts(_mismatched_batch(), mode="truncated_is", cap=2.0)
+    out = corrections.correct_rollouts(_mismatched_batch(), mode="truncated_is", cap=2.0)
     assert out[ADVANTAGES][0].tolist() == pytest.approx([2.0, 1.0, 0.25, 1.0])   # min(3, 2), 1, 1/4; padding untouched
-    m = whole_batch.rollout_correction_metrics(_mismatched_batch(), mode="truncated_is", cap=2.0)
+    m = corrections.rollout_correction_metrics(_mismatched_batch(), mode="truncated_is", cap=2.0)
     assert m["rollout/correction_weight_mean"] == pytest.approx((2.0 + 1.0 + 0.25) / 3)
     assert m["rollout/correction_capped_frac"] == pytest.approx(1 / 3)
     # k3 of KL(rollout || old) per token: r - 1 - ln r with r = pi_old / pi_rollout
@@ -143,9 +143,9 @@ def test_truncated_rollout_correction_weights_every_token_by_the_capped_ratio():
 
 
 def test_masked_rollout_correction_drops_tokens_outside_the_band():
-    out = whole_batch.correct_rollouts(_mismatched_batch(), mode="masked_is", cap=2.0)
+    out = corrections.correct_rollouts(_mismatched_batch(), mode="masked_is", cap=2.0)
     assert out[RESPONSE_MASK].tolist() == [[0, 1, 0, 0]]          # r = 3 and r = 1/4 are outside [1/2, 2]
     assert out[ADVANTAGES].tolist() == [[0.0, 1.0, 0.0, 1.0]]      # padding untouched (masked anyway)
-    m = whole_batch.rollout_correction_metrics(_mismatched_batch(), mode="masked_is", cap=2.0)
+    m = corrections.rollout_correction_metrics(_mismatched_batch(), mode="masked_is", cap=2.0)
     assert m["rollout/correction_capped_frac"] == pytest.approx(2 / 3)
     assert m["rollout/correction_weight_mean"] == pytest.approx(1 / 3)

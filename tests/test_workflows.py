@@ -118,7 +118,7 @@ def test_old_logprobs_sources_agree_over_several_optimizer_steps(shared_assets, 
 
 CUSTOM_WORKFLOW = '''
 """A user's workflow: GRPO without the old-logprob pass (on-policy, ratio 1)."""
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics, whole_batch
 
 ROLES = ("policy", "rollout", "reward")
 
@@ -132,7 +132,7 @@ def my_build(roles, cfg):
                             gamma=1.0, lam=1.0, eps=1e-6, kl_kind="k1", old_from_rollout=False)
         update = roles.policy.bind("update", batch)
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update),
-                                roles.apply(whole_batch.rollout_metrics, batch)])
+                                roles.apply(step_metrics.rollout_metrics, batch)])
 '''
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from raygraph import batch as columns
 from raygraph.algos.distill import reverse_kl, reverse_kl_advantages
 from raygraph.batch import OLD_LOGPROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOGPROBS, Batch
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics, whole_batch
 from raygraph.graph.fragments import rollout_columns
 
 ROLES = ("policy", "rollout", "reward", "teacher")
@@ -59,5 +59,5 @@ def build(roles, cfg, *, coef: float = 1.0):
                             old_from_rollout=cfg.old_logprobs_source == "rollout")
         update = roles.policy.bind("update", batch)
         return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update),
-                                roles.apply(whole_batch.rollout_metrics, batch),
+                                roles.apply(step_metrics.rollout_metrics, batch),
                                 roles.apply(distillation_metrics, batch)])

@@ -25,7 +25,7 @@ How this departs from the paper (all config, same file):
   the update's own (detached) and `policy.logprobs` is not run (`actor.old_logprobs`, auto).
 - `algorithm.rollout_correction` (off by default) corrects every token for the rollout engine's
   mismatch with the trainer (truncated or masked IS on `pi_old / pi_rollout`, with the old
-  log-probs recomputed by the trainer; `raygraph.graph.whole_batch.correct_rollouts`).
+  log-probs recomputed by the trainer; `raygraph.graph.corrections.correct_rollouts`).
 - DAPO's options (Yu et al. 2025; `raygraph.graph.dapo`, all off by default):
   `algorithm.overlong_penalty` (soft length penalty), `algorithm.mask_truncated` (cut responses
   leave the loss), `algorithm.dynamic_sampling` (groups whose accuracy does not vary are dropped;
@@ -35,13 +35,13 @@ How this departs from the paper (all config, same file):
 - Asynchronous mode trains on rollouts one weight version old: the ratio is clipped around the
   policy before the update (`old_logprobs`) and each token's advantage is weighted by
   `min(pi_old / pi_rollout, algorithm.is_cap)` (decoupled PPO with truncated IS, see
-  `raygraph.graph.whole_batch.truncated_importance_weights`). The first step (or one after a
+  `raygraph.graph.corrections.truncated_importance_weights`). The first step (or one after a
   resume with nothing prefetched) samples synchronously.
 """
 
 from __future__ import annotations
 
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics
 from raygraph.graph.fragments import (
     advantages,
     first_round_prompts,
@@ -65,7 +65,7 @@ def build(roles, cfg):
         scored, shaping = shape_rollouts(roles, cfg, scored, prompts)   # DAPO options: the batch may change size
         batch = advantages(roles, cfg, scored, prompts)   # whole batch: per-group normalisation
         train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
-        metrics = [roles.apply(whole_batch.rollout_metrics, batch), *correction, *shaping]
+        metrics = [roles.apply(step_metrics.rollout_metrics, batch), *correction, *shaping]
         update = roles.policy.bind("update", train_batch)
         if not pipelined:
             return MultiOutputNode([roles.gather(update), roles.sync_weights(after=update), *metrics])

@@ -17,7 +17,7 @@ and policy updates read the same batch and do not wait for each other.
 
 from __future__ import annotations
 
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics
 from raygraph.graph.fragments import advantages, rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward", "critic")
@@ -34,4 +34,4 @@ def build(roles, cfg):
         policy_update = roles.policy.bind("update", train_batch)
         sync = roles.sync_weights(after=policy_update)
         return MultiOutputNode([roles.gather(policy_update), roles.gather(critic_update), sync,
-                                roles.apply(whole_batch.rollout_metrics, batch), *correction])
+                                roles.apply(step_metrics.rollout_metrics, batch), *correction])

@@ -13,7 +13,7 @@ Departures from the paper: the greedy branch runs in the same DAG step as the sa
 
 from __future__ import annotations
 
-from raygraph.graph import InputNode, MultiOutputNode, whole_batch
+from raygraph.graph import InputNode, MultiOutputNode, step_metrics, whole_batch
 from raygraph.graph.fragments import advantages, rollout_columns, update_batch
 
 ROLES = ("policy", "rollout", "reward")
@@ -31,5 +31,5 @@ def build(roles, cfg):
         train_batch, correction = update_batch(roles, cfg, batch)   # IS corrections, when configured
         update = roles.policy.bind("update", train_batch)
         sync = roles.sync_weights(after=update)
-        return MultiOutputNode([roles.gather(update), sync, roles.apply(whole_batch.rollout_metrics, batch),
+        return MultiOutputNode([roles.gather(update), sync, roles.apply(step_metrics.rollout_metrics, batch),
                                 *correction])

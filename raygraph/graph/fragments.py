@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from raygraph.batch import without_extra_prompts
-from raygraph.graph import dapo, whole_batch
+from raygraph.graph import corrections, dapo, step_metrics, whole_batch
 from raygraph.graph.nodes import InputNode, MultiOutputNode
 
 __all__ = ["advantages", "first_round_prompts", "reference_logprobs", "rollout_columns", "shape_rollouts",
@@ -98,22 +98,22 @@ def update_batch(roles, cfg, batch):
     """The batch the policy update trains on, and the metric nodes that describe the correction.
 
     With `algorithm.rollout_correction.mode` set, every token is corrected for the rollout
-    engine's mismatch with the trainer (`whole_batch.correct_rollouts`, which also covers stale
+    engine's mismatch with the trainer (`corrections.correct_rollouts`, which also covers stale
     rows); otherwise asynchronous pipelining (`placement.max_staleness > 0`) weights the stale
-    rows' tokens by truncated IS (`whole_batch.truncated_importance_weights`); otherwise the batch
+    rows' tokens by truncated IS (`corrections.truncated_importance_weights`); otherwise the batch
     is trained on as it is.
 
     Returns:
         `(batch node, [metric nodes])`; the metric nodes read the batch before the correction.
     """
     correction, pipelined = cfg.algorithm.rollout_correction, cfg.placement.max_staleness > 0
-    metrics = [roles.apply(whole_batch.off_policy_metrics, batch, cap=cfg.algorithm.is_cap)] if pipelined else []
+    metrics = [roles.apply(corrections.off_policy_metrics, batch, cap=cfg.algorithm.is_cap)] if pipelined else []
     if correction.mode != "off":
-        metrics.append(roles.apply(whole_batch.rollout_correction_metrics, batch, mode=correction.mode,
+        metrics.append(roles.apply(corrections.rollout_correction_metrics, batch, mode=correction.mode,
                                    cap=correction.cap))
-        return roles.apply(whole_batch.correct_rollouts, batch, mode=correction.mode, cap=correction.cap), metrics
+        return roles.apply(corrections.correct_rollouts, batch, mode=correction.mode, cap=correction.cap), metrics
     if pipelined:
-        return roles.apply(whole_batch.truncated_importance_weights, batch, cap=cfg.algorithm.is_cap), metrics
+        return roles.apply(corrections.truncated_importance_weights, batch, cap=cfg.algorithm.is_cap), metrics
     return batch, metrics
 
 
@@ -121,15 +121,15 @@ def validation_graph(roles, *, greedy: bool = True, n: int = 1, temperature: flo
     """Validation, scored by the reward role.
 
     One sample per prompt (greedy, or sampled as in training): `val/accuracy`, `val/reward/*`
-    (`whole_batch.validation_metrics`). With `n > 1`, also `n` samples per prompt at
-    `temperature`: `val/pass@k`, `val/maj@n` (`whole_batch.sampled_validation_metrics`).
+    (`step_metrics.validation_metrics`). With `n > 1`, also `n` samples per prompt at
+    `temperature`: `val/pass@k`, `val/maj@n` (`step_metrics.sampled_validation_metrics`).
     """
     with InputNode() as prompts:
         rollouts = roles.rollout.bind("generate", prompts, greedy=greedy, n=1)
         scored = roles.gather(rollouts, roles.reward.bind("score", rollouts))
-        outputs = [roles.apply(whole_batch.validation_metrics, scored)]
+        outputs = [roles.apply(step_metrics.validation_metrics, scored)]
         if n > 1:
             samples = roles.rollout.bind("generate", prompts, n=n, temperature=temperature)
             sampled = roles.gather(samples, roles.reward.bind("score", samples))
-            outputs.append(roles.apply(whole_batch.sampled_validation_metrics, sampled, n=n))
+            outputs.append(roles.apply(step_metrics.sampled_validation_metrics, sampled, n=n))
         return MultiOutputNode(outputs)

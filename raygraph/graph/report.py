@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raygraph.batch import PROMPT_BATCHES_USED, Batch
-from raygraph.graph import dapo, whole_batch
+from raygraph.graph import dapo, step_metrics, whole_batch
 from raygraph.graph.builder import GraphBuildError
 from raygraph.graph.nodes import ApplyNode, DAGNode, MultiOutputNode, SyncNode
 
@@ -33,10 +33,10 @@ _FACT_SOURCES = {
     whole_batch.compute_advantages: ("kl_in_reward",),
     dapo.filter_groups: ("prompt_batches",),
     dapo.add_round: ("prompt_batches",),
-    whole_batch.rollout_metrics: ("records",),
-    whole_batch.validation_metrics: ("records",),
+    step_metrics.rollout_metrics: ("records",),
+    step_metrics.validation_metrics: ("records",),
 }
-_INPUT_SOURCES = {whole_batch.rollout_metrics, whole_batch.validation_metrics}
+_INPUT_SOURCES = {step_metrics.rollout_metrics, step_metrics.validation_metrics}
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,9 @@ def step_report(*values: Batch | dict, n_batches: int) -> StepReport:
     used = [int(b.meta[PROMPT_BATCHES_USED]) for b in batches if PROMPT_BATCHES_USED in b.meta]
     records: list = []
     for batch in batches:   # the first batch that carries rows asked for
-        rows = batch.meta.get(whole_batch.DUMP_ROWS)
+        rows = batch.meta.get(step_metrics.DUMP_ROWS)
         if rows and len(batch):
-            records = whole_batch.sample_records(batch, rows)
+            records = step_metrics.sample_records(batch, rows)
             break
     return StepReport(weight_version=max(versions) if versions else None,
                       kl_in_reward=kl[-1] if kl else None, prompt_batches=max(used, default=1), records=records)

@@ -5,7 +5,7 @@ reward's extras, advantage, uid, weight version) go to `<run>/samples/train_step
 every validation's generations to `<run>/samples/val_step_<N>.jsonl`. Both are logged to MLflow
 as artifacts and as a table (`mlflow.log_table`). At each validation the console shows a few
 samples, shortened. The records come from the graph's whole-batch functions
-(`whole_batch.sample_records`), so no batch travels to the driver, only text.
+(`step_metrics.sample_records`), so no batch travels to the driver, only text.
 """
 
 from __future__ import annotations

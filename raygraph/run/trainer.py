@@ -20,7 +20,7 @@ from raygraph.algos.kl_control import make_kl_controller
 from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import build_roles
 from raygraph.config.workflow_ref import load_workflow
-from raygraph.graph import whole_batch
+from raygraph.graph import step_metrics
 from raygraph.graph.executor import Executor
 from raygraph.graph.report import graph_facts, split_report
 from raygraph.run import resume
@@ -156,7 +156,7 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
             consistent = None  # from here the sampler, then the roles, move on to this step
             prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead,
                                         extra_batches=extra_batches)
-            prompts.meta[whole_batch.DUMP_ROWS] = dumps.rows_for(step)
+            prompts.meta[step_metrics.DUMP_ROWS] = dumps.rows_for(step)
             outputs, report = split_report(runner.run(prompts, step=step, version=version))
             metrics = merge_outputs(outputs)
             ledger.trained(step, data.settle(prompts, report.prompt_batches))

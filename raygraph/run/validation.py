@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from raygraph.batch import Batch
-from raygraph.graph import whole_batch
+from raygraph.graph import step_metrics
 from raygraph.graph.executor import Executor
 from raygraph.graph.nodes import DAGNode
 from raygraph.graph.report import split_report
@@ -24,8 +24,8 @@ def run_validation(graph: DAGNode, roles, prompts: Batch | None, *, step: int, d
     """
     if prompts is None:
         return {}
-    rows = dumps.val_rows or whole_batch.VAL_CONSOLE_ROWS   # always a few, for the console
-    prompts = Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta, whole_batch.DUMP_ROWS: rows})
+    rows = dumps.val_rows or step_metrics.VAL_CONSOLE_ROWS   # always a few, for the console
+    prompts = Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta, step_metrics.DUMP_ROWS: rows})
     executor = Executor(graph, roles, mode="interpreted", timeout_s=timeout_s)  # the step watchdog
     try:
         t0 = time.perf_counter()
@@ -40,6 +40,6 @@ def run_validation(graph: DAGNode, roles, prompts: Batch | None, *, step: int, d
         tracker.log_samples(path, records)
     print(f"[raygraph] validation at step {step}: accuracy {metrics.get('val/accuracy', float('nan')):.3f} "
           f"({len(records)} samples in {path})", flush=True)
-    for line in console_lines(records[:whole_batch.VAL_CONSOLE_ROWS]):
+    for line in console_lines(records[:step_metrics.VAL_CONSOLE_ROWS]):
         print(line, flush=True)
     return metrics
