@@ -56,13 +56,11 @@ class GraphFacts:
     Attributes:
         extra_prompt_batches: extra prompt batches the graph reads (`refill_prompts` rounds); the
             driver attaches that many to each step's prompts.
-        syncs_weights: the graph has a weight sync.
         provides: the report's facts some node of the graph computes (`_FACT_SOURCES`).
         applies: the names of the whole-batch functions the graph applies.
     """
 
     extra_prompt_batches: int = 0
-    syncs_weights: bool = False
     provides: frozenset = frozenset()
     applies: frozenset = frozenset()
 
@@ -91,7 +89,6 @@ def graph_facts(dag: DAGNode) -> GraphFacts:
     applies = [n for n in _nodes(dag) if isinstance(n, ApplyNode)]
     rounds = [n.kwargs.get("round", 0) for n in applies if n.fn is dapo.refill_prompts]
     return GraphFacts(extra_prompt_batches=max(rounds, default=0),
-                      syncs_weights=any(isinstance(n, SyncNode) for n in _nodes(dag)),
                       provides=frozenset(f for n in applies for f in _FACT_SOURCES.get(n.fn, ())),
                       applies=frozenset(n.fn.__name__ for n in applies))
 
@@ -100,8 +97,9 @@ def with_report(dag: DAGNode) -> MultiOutputNode:
     """`dag` with a `StepReport` node appended as its last output (`split_report` takes it off)."""
     outputs = list(dag.outputs) if isinstance(dag, MultiOutputNode) else [dag]
     nodes = _nodes(dag)
-    sources = [n.args[0] if n.fn in _INPUT_SOURCES else n for n in nodes
-               if isinstance(n, ApplyNode) and n.fn in _FACT_SOURCES]
+    found = [n.args[0] if n.fn in _INPUT_SOURCES else n for n in nodes
+             if isinstance(n, ApplyNode) and n.fn in _FACT_SOURCES]
+    sources = list({id(n): n for n in found}.values())   # a batch both computed and described: once
     syncs = [n for n in nodes if isinstance(n, SyncNode)]
     report = ApplyNode(step_report, (*sources, *syncs), {"n_batches": len(sources)})
     return MultiOutputNode([*outputs, report])
