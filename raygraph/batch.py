@@ -6,7 +6,11 @@ columns (numpy object arrays of length B) and batch-level `meta` (a plain dict).
 Sequence layout used by every role::
 
     input_ids      = cat(prompt_ids, responses)          # (B, P + R)
-    attention_mask = cat(prompt_mask, response_mask)     # (B, P + R)
+    attention_mask = cat(prompt_mask, response_attention)  # (B, P + R)
+
+`response_attention` is `response_mask` except in multi-turn rows (`raygraph.agents`), where the
+response also holds observation / tool tokens: they are attended (attention 1) but not trained
+(mask 0). A batch without the column attends exactly its `response_mask`.
 
 `prompt_ids` are LEFT-padded to a common length P, `responses` RIGHT-padded to R, so the
 first response token is always at column P. Column names below are the only spellings.
@@ -23,12 +27,14 @@ import torch
 
 __all__ = [
     "Batch",
-    "PROMPT_IDS", "PROMPT_MASK", "RESPONSES", "RESPONSE_MASK", "RESPONSE_LENGTH",
+    "PROMPT_IDS", "PROMPT_MASK", "RESPONSES", "RESPONSE_MASK", "RESPONSE_ATTENTION", "RESPONSE_LENGTH",
+    "SEQUENCE_COLUMNS", "ENV_SCORES", "response_attention", "last_valid_index",
     "ROLLOUT_LOGPROBS", "OLD_LOGPROBS", "REF_LOGPROBS", "ENTROPY", "VALUES",
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
     "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
-    "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "RESPONSE_TEXT", "EXTRA_INFO",
-    "NEXT_PROMPTS", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
+    "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "PROMPT_MESSAGES", "RESPONSE_TEXT", "EXTRA_INFO",
+    "AGENT_TURNS", "AGENT_ENV_S", "AGENT_TOOL_OK", "AGENT_TOOL_ERROR", "AGENT_TOOL_TIMEOUT", "AGENT_TRUNCATION",
+    "AGENT_CONVERSATION", "NEXT_PROMPTS", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
     "pad_right",
 ]
 
@@ -37,6 +43,7 @@ PROMPT_IDS = "prompt_ids"                # (B, P) int64, left-padded with the pa
 PROMPT_MASK = "prompt_mask"              # (B, P) int64, 1 on real prompt tokens
 RESPONSES = "responses"                  # (B, R) int64, right-padded with the pad id
 RESPONSE_MASK = "response_mask"          # (B, R) int64, 1 on generated tokens (eos included)
+RESPONSE_ATTENTION = "response_attention"  # (B, R) int64, 1 on every real response token (multi-turn only)
 RESPONSE_LENGTH = "response_length"      # (B,)   int64, number of generated tokens
 ROLLOUT_LOGPROBS = "rollout_logprobs"    # (B, R) float32, the rollout engine's own log-probs
 OLD_LOGPROBS = "old_logprobs"            # (B, R) float32, policy log-probs before the update
@@ -50,7 +57,11 @@ RETURNS = "returns"                      # (B, R) float32
 REWARD_BASELINES = "reward_baselines"    # (B,)   float32, e.g. ReMax greedy-rollout score
 WEIGHT_VERSION = "weight_version"        # (B,)   int64, policy version that generated the row
 STALENESS = "staleness"                  # (B,)   int64, versions the row's weights lag the policy's
+ENV_SCORES = "env_scores"                # (B, R) float32, an environment's per-turn rewards (multi-turn)
 REWARD_EXTRA_PREFIX = "reward_extra."    # (B,)   float32 columns, e.g. "reward_extra.acc"
+
+# What a forward pass over prompt + response reads (the attention column only when present).
+SEQUENCE_COLUMNS = (PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, RESPONSE_ATTENTION)
 
 # --- supervised (SFT) rows: one sequence per row, no prompt/response split -------------------
 INPUT_IDS = "input_ids"                  # (B, T) int64, right-padded
@@ -62,8 +73,16 @@ UID = "uid"                  # group id: the n samples of one prompt share it
 DATA_SOURCE = "data_source"  # selects the rule reward
 GROUND_TRUTH = "ground_truth"
 PROMPT_TEXT = "prompt_text"  # the formatted prompt string (after the chat template)
+PROMPT_MESSAGES = "prompt_messages"  # the prompt's chat messages (before the template)
 RESPONSE_TEXT = "response_text"
 EXTRA_INFO = "extra_info"
+
+# --- multi-turn episodes (`raygraph.agents`), one row each ------------------------------------
+AGENT_TURNS = "agent_turns"                # (B,) int64, model turns taken
+AGENT_ENV_S = "agent_env_s"                # (B,) float32, seconds in environment steps and tools
+AGENT_TOOL_OK, AGENT_TOOL_ERROR, AGENT_TOOL_TIMEOUT = "agent_tool_ok", "agent_tool_error", "agent_tool_timeout"  # (B,)
+AGENT_TRUNCATION = "agent_truncation"      # str: why the episode ended (`raygraph.agents.episode.TRUNCATIONS`)
+AGENT_CONVERSATION = "agent_conversation"  # list of {role, text, tokens, reward}: the episode turn by turn
 
 # --- meta keys set by the driver --------------------------------------------------------------
 NEXT_PROMPTS = "next_prompts"  # async pipelining: {uids of a rank's share now: its share next step}
@@ -190,7 +209,7 @@ class Batch:
         if max_tokens is None or PROMPT_MASK not in self or RESPONSE_MASK not in self:
             return self.split(max_rows)
         prompt_len = self[PROMPT_MASK].sum(-1).tolist()
-        response_len = self[RESPONSE_MASK].sum(-1).tolist()
+        response_len = response_attention(self).sum(-1).tolist()
         bounds, start, longest_p, longest_r = [], 0, 0, 0
         for i in range(len(self)):
             p, r = max(longest_p, prompt_len[i]), max(longest_r, response_len[i])
@@ -205,7 +224,7 @@ class Batch:
         """Drop prompt columns that are padding in every row (left) and response columns likewise (right)."""
         prompt_keep = self[PROMPT_MASK].bool().any(0).nonzero()
         first = int(prompt_keep[0]) if len(prompt_keep) else self[PROMPT_MASK].shape[1]
-        response_keep = self[RESPONSE_MASK].bool().any(0).nonzero()
+        response_keep = response_attention(self).bool().any(0).nonzero()
         end = int(response_keep[-1]) + 1 if len(response_keep) else 0
         width = self[RESPONSE_MASK].shape[1]
         tensors = {}
@@ -277,6 +296,19 @@ def _cat_padded(tensors: list[torch.Tensor], name: str) -> torch.Tensor:
     width = max(t.shape[1] for t in tensors)
     pad = _left_pad if name in (PROMPT_IDS, PROMPT_MASK) else _right_pad
     return torch.cat([pad(t, width) for t in tensors])
+
+
+def response_attention(tensors) -> torch.Tensor:
+    """The response positions a forward pass attends: `response_attention` when the rows have it
+    (multi-turn), else `response_mask`."""
+    return tensors[RESPONSE_ATTENTION] if RESPONSE_ATTENTION in tensors else tensors[RESPONSE_MASK]
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """`(B, R)` 0/1 mask -> `(B,)` index of each row's last 1 (0 for an all-zero row). Equal to
+    `mask.sum(-1) - 1` for the contiguous masks of single-turn rows; multi-turn masks have holes."""
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return ((mask > 0).long() * positions).argmax(-1) if mask.shape[-1] else mask.new_zeros(mask.shape[0]).long()
 
 
 def pad_right(t: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {  # package (under raygraph) -> height
-    "batch": 0, "errors": 0, "algos": 1, "models": 2, "data": 2, "rewards": 2, "workers": 3, "cluster": 4, "graph": 5,
-    "workflows": 6, "config": 7, "run": 8, "entry": 9,   # entry: cli.py, check_env.py, __init__.py
+    "batch": 0, "errors": 0, "algos": 1, "models": 2, "data": 2, "rewards": 2, "agents": 3, "workers": 4, "cluster": 5,
+    "graph": 6, "workflows": 7, "config": 8, "run": 9, "entry": 10,   # entry: cli.py, check_env.py, __init__.py
 }
 
 

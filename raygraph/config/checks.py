@@ -13,6 +13,7 @@ from pathlib import Path
 from raygraph import rewards
 from raygraph.algos import advantages, dpo, kl, losses
 from raygraph.algos.user_code import is_code_ref
+from raygraph.config.agent_checks import agent_problems
 from raygraph.config.frozen_models import frozen_model_problems
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs, tiny_model_dir
 from raygraph.config.workflow_ref import Workflow
@@ -27,7 +28,7 @@ def config_problems(cfg: RaygraphConfig, workflow: Workflow | None = None) -> li
     """Every cross-field and registry problem of a structurally valid config, and (given the
     loaded `workflow`) every mismatch with what the workflow declares."""
     problems = semantic_problems(cfg) + registry_problems(cfg) + lora_problems(cfg) + frozen_model_problems(cfg)
-    problems += _vllm_cpu_seeding(cfg)
+    problems += _vllm_cpu_seeding(cfg) + agent_problems(cfg)
     return problems + (workflow_problems(cfg, workflow) if workflow is not None else [])
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_serializer, model_validator
 
 from raygraph.algos import advantages
 from raygraph.algos.user_code import absolute_ref
+from raygraph.config.agent_schema import AgentConfig
 from raygraph.config.role_kinds import ROLES  # re-exported: the built-in role names
 from raygraph.config.section import Section
 from raygraph.config.training_schema import (
@@ -184,6 +185,8 @@ class RolloutConfig(Section):
                                                          "rollout. Not available on the CPU build.")
     micro_batch_size: int = Field(64, ge=1, description="hf engine: prompts per generate() call on one worker "
                                                         "(vLLM batches requests itself).")
+    agent: AgentConfig | None = Field(None, description="Multi-turn episodes with an environment and/or tools "
+                                                        "(docs/agents.md); null = one response per prompt.")
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -141,8 +141,9 @@ class RewardTermConfig(Section):
 
 
 class RewardConfig(Section):
-    kind: Literal["rule", "model", "remote"] = Field("rule", description="rule functions, a reward model, or "
-                                                                         "a remote service.")
+    kind: Literal["rule", "model", "remote", "env"] = Field(
+        "rule", description="rule functions, a reward model, a remote service, or env: the rewards the "
+        "environment of rollout.agent gave (summed per episode for acc: 1 when the return is > 0).")
     function: str | None = Field(None, description="rule: reward function by registry name "
                                                    "(raygraph.rewards, or one a plugin registers) or as "
                                                    "my_code.py:my_reward; null = chosen by each row's data_source.")

@@ -33,6 +33,7 @@ from raygraph.batch import (
     GROUND_TRUTH,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_MESSAGES,
     PROMPT_TEXT,
     UID,
     Batch,
@@ -55,6 +56,7 @@ class PromptRow:
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
+    messages: list = field(default_factory=list)   # the chat messages, before the template
 
 
 def check_overlong(overlong: str) -> None:
@@ -156,7 +158,7 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         raw = read_rows(files)
-        texts = []
+        texts, chats = [], []
         for path, i, row in raw:
             messages = check_messages(row.get("prompt"))
             if messages is None:
@@ -166,17 +168,18 @@ class PromptDataset:
             if not isinstance(row.get("data_source"), str) or not row["data_source"]:
                 raise ValueError(f"{path}: row {i} has no data_source (a non-empty string)")
             texts.append(format_prompt(tokenizer, messages, apply_chat_template, chat_template_kwargs))
+            chats.append(messages)
         ids = encode_text(tokenizer, texts, add_special_tokens=not apply_chat_template)
         self.rows: list[PromptRow] = []
         overlong_at = []
         kept: dict[str, int] = {str(p): 0 for p in ([files] if isinstance(files, (str, Path)) else files)}
-        for (path, i, row), text, tok in zip(raw, texts, ids):
+        for (path, i, row), text, tok, chat in zip(raw, texts, ids, chats):
             if len(tok) > max_prompt_length:
                 overlong_at.append((path, i, len(tok)))
                 continue
             kept[path] += 1
             self.rows.append(PromptRow(len(self.rows), list(tok), text, row["data_source"],
-                                       _ground_truth(row), dict(row.get("extra_info") or {})))
+                                       _ground_truth(row), dict(row.get("extra_info") or {}), chat))
         self.n_dropped = len(overlong_at)
         self.rows_per_file = list(kept.values())
         if overlong_at:
@@ -211,7 +214,7 @@ def collate_prompts(rows: Sequence[PromptRow], pad_token_id: int, epoch: int | s
     Returns:
         Batch with tensors `prompt_ids` (B, P) int64 left-padded and `prompt_mask` (B, P) int64;
         non-tensors `uid` (``f"{epoch}-{index}"``), `data_source`, `ground_truth`,
-        `prompt_text`, `extra_info`.
+        `prompt_text`, `extra_info`, `prompt_messages` (the chat messages before the template).
     """
     if not rows:
         raise ValueError("cannot collate an empty list of prompts")
@@ -227,5 +230,6 @@ def collate_prompts(rows: Sequence[PromptRow], pad_token_id: int, epoch: int | s
             GROUND_TRUTH: [r.ground_truth for r in rows],
             PROMPT_TEXT: [r.prompt_text for r in rows],
             EXTRA_INFO: [r.extra_info for r in rows],
+            PROMPT_MESSAGES: [r.messages for r in rows],
         },
     )

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from raygraph.data.prompts import write_rows
 
-__all__ = ["DATA_SOURCE", "toy_problems", "split_toy_problems", "toy_rows", "write_toy_dataset",
+__all__ = ["DATA_SOURCE", "toy_problems", "split_toy_problems", "toy_rows", "toy_two_turn_rows", "write_toy_dataset",
            "toy_sft_rows", "toy_dpo_rows"]
 
 DATA_SOURCE = "toy_arith"
@@ -83,6 +83,19 @@ def toy_rows(problems: list[tuple[str, str]], split: str) -> list[dict]:
     } for i, (question, answer) in enumerate(problems)]
 
 
+def toy_two_turn_rows(problems: list[tuple[str, str]], split: str) -> list[dict]:
+    """The problems split over two turns for the multi-turn demo (`configs/demo_multiturn.yaml`): the
+    prompt holds the first operand (``"3+"``), the environment `reveal_then_answer` reveals the
+    rest (``extra_info.reveal = "4="``) after the model's first turn, and scores the second turn.
+    No answer can be right before the second turn."""
+    rows = toy_rows(problems, split)
+    for row, (question, _) in zip(rows, problems):
+        head, _, tail = question.partition("+")
+        row["prompt"] = [{"role": "user", "content": head + "+"}]
+        row["extra_info"]["reveal"] = tail
+    return rows
+
+
 def toy_sft_rows(n: int = 320, seed: int = 0, **task_args) -> list[dict]:
     """Warm-start rows ``{"prompt": [user "7="], "response": "7"}``: copy a number, then stop.
 
@@ -111,7 +124,7 @@ def toy_dpo_rows(problems: list[tuple[str, str]], seed: int = 0, **task_args) ->
 
 
 def write_toy_dataset(out_dir: str | Path, n_train: int = 80, n_val: int = 20, seed: int = 0,
-                      **task_args) -> tuple[Path, Path]:
+                      two_turns: bool = False, **task_args) -> tuple[Path, Path]:
     """Write ``train.parquet``, ``val.parquet``, ``warm_start.parquet`` and ``train_dpo.parquet``.
 
     ``train.parquet`` also serves as SFT data (its ground truth is the response);
@@ -121,6 +134,7 @@ def write_toy_dataset(out_dir: str | Path, n_train: int = 80, n_val: int = 20, s
         out_dir: folder (created if missing).
         n_train, n_val: distinct problems in each split (the default task has 100 in all).
         seed: shuffle seed of the split and of the warm-start rows.
+        two_turns: write the prompts split over two turns (`toy_two_turn_rows`).
         **task_args: `max_operand`, `modulo` (see `toy_problems`).
 
     Returns:
@@ -128,8 +142,9 @@ def write_toy_dataset(out_dir: str | Path, n_train: int = 80, n_val: int = 20, s
     """
     out_dir = Path(out_dir)
     train, val = split_toy_problems(n_train, n_val, seed, **task_args)
-    train_path = write_rows(toy_rows(train, "train"), out_dir / "train.parquet")
-    val_path = write_rows(toy_rows(val, "val"), out_dir / "val.parquet")
+    rows = toy_two_turn_rows if two_turns else toy_rows
+    train_path = write_rows(rows(train, "train"), out_dir / "train.parquet")
+    val_path = write_rows(rows(val, "val"), out_dir / "val.parquet")
     write_rows(toy_sft_rows(seed=seed, **task_args), out_dir / "warm_start.parquet")
     write_rows(toy_dpo_rows(train, seed=seed, **task_args), out_dir / "train_dpo.parquet")
     return train_path, val_path

@@ -32,6 +32,7 @@ from raygraph.batch import (
     UID,
     Batch,
     extra_prompt_batch,
+    last_valid_index,
 )
 
 __all__ = ["overlong_penalty", "mask_truncated", "filter_groups", "group_values", "refill_prompts", "add_round",
@@ -61,7 +62,7 @@ def overlong_penalty(batch: Batch, *, max_len: int, buffer: int, factor: float) 
     penalty = dapo_maths.overlong_penalty(lengths, max_len=max_len, buffer=buffer, factor=factor)   # (B,)
     scores = batch[TOKEN_LEVEL_SCORES].float().clone()
     rows = torch.arange(len(batch))
-    last = (lengths - 1).clamp(min=0)
+    last = last_valid_index(batch[RESPONSE_MASK]) if RESPONSE_MASK in batch else (lengths - 1).clamp(min=0)
     scores[rows, last] += penalty
     out = batch.with_columns(**{TOKEN_LEVEL_SCORES: scores})
     out.meta["overlong_penalty"] = float(penalty.mean()) if len(batch) else 0.0

@@ -10,8 +10,16 @@ import math
 import numpy as np
 import torch
 
+from raygraph.agents.episode import TRUNCATIONS
 from raygraph.batch import (
     ADVANTAGES,
+    AGENT_CONVERSATION,
+    AGENT_ENV_S,
+    AGENT_TOOL_ERROR,
+    AGENT_TOOL_OK,
+    AGENT_TOOL_TIMEOUT,
+    AGENT_TRUNCATION,
+    AGENT_TURNS,
     DATA_SOURCE,
     GROUND_TRUTH,
     PROMPT_TEXT,
@@ -71,6 +79,23 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     if "kl_in_reward" in batch.meta:   # set by compute_advantages, with the coefficient it used
         out["actor/kl_in_reward"] = float(batch.meta["kl_in_reward"])
         out["actor/kl_coef"] = float(batch.meta["kl_coef"])
+    if AGENT_TURNS in batch:
+        out.update(agent_metrics(batch))
+    return out
+
+
+def agent_metrics(batch: Batch) -> dict[str, float]:
+    """Multi-turn episodes (`raygraph.agents`): turns per episode, tool calls by outcome (per
+    episode), seconds in environment steps and tools, and the share of episodes ended by each
+    truncation reason (`agent/truncated/<reason>`, "none" = the episode finished)."""
+    turns = batch[AGENT_TURNS].float()
+    out = {"agent/turns_mean": float(turns.mean()), "agent/turns_max": float(turns.max()),
+           "agent/env_s_mean": float(batch[AGENT_ENV_S].float().mean())}
+    for key, name in ((AGENT_TOOL_OK, "ok"), (AGENT_TOOL_ERROR, "error"), (AGENT_TOOL_TIMEOUT, "timeout")):
+        out[f"agent/tool_calls_{name}"] = float(batch[key].float().mean())
+    reasons = list(batch[AGENT_TRUNCATION])
+    for reason in TRUNCATIONS:
+        out[f"agent/truncated/{reason}"] = reasons.count(reason) / len(reasons)
     return out
 
 
@@ -141,7 +166,8 @@ def sample_records(batch: Batch, rows: int = -1) -> list[dict]:
 
     Each record: `uid`, `prompt`, `response`, `score` (the row's summed token scores), the
     reward's extras (`acc`, ...), and where present `advantage` (mean over the response tokens),
-    `weight_version`, `response_length`, `data_source`, `ground_truth`.
+    `weight_version`, `response_length`, `data_source`, `ground_truth`; multi-turn rows add
+    `conversation` (role, text, tokens, reward per message) and `truncation`.
     """
     n = len(batch) if rows < 0 else min(rows, len(batch))
     scores = sequence_scores(batch)[:n].tolist() if TOKEN_LEVEL_SCORES in batch else [None] * n
@@ -159,6 +185,9 @@ def sample_records(batch: Batch, rows: int = -1) -> list[dict]:
                       (GROUND_TRUTH, "ground_truth")):
         if key in batch:
             columns[name] = [_plain(v) for v in batch[key][:n]]
+    if AGENT_CONVERSATION in batch:   # multi-turn: the episode turn by turn
+        columns["conversation"] = [list(c) for c in batch[AGENT_CONVERSATION][:n]]
+        columns["truncation"] = [str(t) for t in batch[AGENT_TRUNCATION][:n]]
     uids = [_plain(u) for u in batch[UID][:n]] if UID in batch else list(range(n))
     return [{"uid": uids[i], "score": scores[i], **{k: v[i] for k, v in extras.items()},
              **{k: v[i] for k, v in columns.items()}} for i in range(n)]

@@ -34,7 +34,15 @@ import torch
 from torch import nn
 
 from raygraph.algos.entropy import entropy_from_logits
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, Batch, pad_right
+from raygraph.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_MASK,
+    RESPONSES,
+    Batch,
+    pad_right,
+    response_attention,
+)
 
 __all__ = [
     "forward_response", "position_ids_from_mask", "prefill", "prompt_runs", "response_logprobs",
@@ -99,7 +107,8 @@ def forward_response(
 
     Args:
         model: a causal LM returning `.logits`.
-        tensors: `prompt_ids`, `prompt_mask` `(B, P)`, `responses`, `response_mask` `(B, R)`.
+        tensors: `prompt_ids`, `prompt_mask` `(B, P)`, `responses`, `response_mask` `(B, R)`, and
+            `response_attention` when the responses hold tokens that are attended but not scored.
         temperature: logits are divided by it before the softmax.
         with_entropy: also return the entropy of each predicted distribution.
         entropy_grad: let gradients flow through the entropy (for an entropy bonus).
@@ -114,7 +123,8 @@ def forward_response(
     device = _device_of(model)
     prompt_ids, prompt_mask = tensors[PROMPT_IDS].to(device), tensors[PROMPT_MASK].to(device)
     responses, response_mask = tensors[RESPONSES].to(device), tensors[RESPONSE_MASK].to(device)
-    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, prompt_mask, responses, response_mask)
+    attended = response_attention(tensors).to(device)   # = response_mask unless multi-turn
+    input_ids, attention_mask, position_ids = sequence_inputs(prompt_ids, prompt_mask, responses, attended)
     P, R = prompt_ids.shape[1], responses.shape[1]
     target = response_mask.bool()  # (B, R)
     if packed:

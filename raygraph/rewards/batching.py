@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from raygraph.batch import REWARD_EXTRA_PREFIX, TOKEN_LEVEL_SCORES, Batch
+from raygraph.batch import REWARD_EXTRA_PREFIX, TOKEN_LEVEL_SCORES, Batch, last_valid_index
 from raygraph.errors import RewardFailed
 
 __all__ = ["NON_FINITE_POLICIES", "NonFiniteRewardError", "as_score", "decode_responses",
@@ -58,14 +58,14 @@ def as_score(value: Any, source: str, row: int, uid: Any = None) -> float:
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence scores -> (B, R) float32 with each score at its last valid response token.
+    """(B,) sequence scores -> (B, R) float32 with each score at its last valid response token
+    (the last token the model generated; multi-turn masks have holes).
 
     Rows whose response_mask is all zero stay all zero.
     """
-    lengths = response_mask.sum(dim=1).long()                         # (B,)
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    rows = torch.nonzero(lengths > 0).flatten()
-    out[rows, lengths[rows] - 1] = scores.to(torch.float32)[rows]
+    rows = torch.nonzero(response_mask.sum(dim=1) > 0).flatten()
+    out[rows, last_valid_index(response_mask)[rows]] = scores.to(torch.float32)[rows]
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raygraph.agents.tools import Toolbox
 from raygraph.batch import EXTRA_PROMPTS, NEXT_PROMPTS, UID, Batch
 from raygraph.data import PromptDataset, ResumableSampler, load_offline_dataset
 from raygraph.data.sampler import MixedSampler
@@ -16,7 +17,7 @@ from raygraph.errors import BadData
 from raygraph.models.loading import load_tokenizer
 from raygraph.run.data_checks import check_data
 
-__all__ = ["StepData", "merge_outputs"]
+__all__ = ["StepData", "merge_outputs", "prompt_template_kwargs"]
 
 
 def merge_outputs(outputs: Any) -> dict[str, float]:
@@ -54,10 +55,12 @@ class StepData:
                              "template: set data.apply_chat_template=false (prompts are then the messages' text), "
                              "or point model.tokenizer_path at a tokenizer with one")
 
+        template_kwargs = prompt_template_kwargs(cfg)
+
         def prompts(files):
             return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length,
                                  overlong=d.overlong_prompt, apply_chat_template=d.apply_chat_template,
-                                 chat_template_kwargs=d.chat_template_kwargs)
+                                 chat_template_kwargs=template_kwargs)
 
         if data_format == "rl":
             train = prompts(d.train_files)
@@ -131,3 +134,13 @@ class StepData:
             epoch = self.sampler.epochs if isinstance(self.sampler, MixedSampler) else self.sampler.epoch
             return self.train.to_batch(indices, epoch=epoch)
         return self.train.to_batch(indices)
+
+
+def prompt_template_kwargs(cfg) -> dict:
+    """The chat template's variables for prompts: `data.chat_template_kwargs`, plus the tools'
+    schemas (`tools=`) when episodes may call tools, so the model is told about them."""
+    kwargs = dict(cfg.data.chat_template_kwargs)
+    agent = cfg.rollout.agent
+    if agent is not None and agent.tools:
+        kwargs["tools"] = Toolbox(agent.tools).schemas
+    return kwargs

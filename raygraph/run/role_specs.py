@@ -109,8 +109,12 @@ def _rollout_args(cfg) -> dict:
     sampling = {"model_path": cfg.model.path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed, "n": r.n,
                 "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "top_k": r.top_k, "stop_token_ids": tuple(r.stop_token_ids)}
+    if r.agent is not None:
+        sampling["agent"] = _agent_args(cfg)
     if cfg.resolved_rollout_engine == "vllm":
         longest = cfg.data.max_prompt_length + r.max_new_tokens   # what the run can send
+        if r.agent is not None:
+            longest = r.agent.total_tokens(cfg.data.max_prompt_length, r.max_new_tokens)
         return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization,
                 "max_model_len": r.max_model_len or longest,
                 "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
@@ -120,6 +124,18 @@ def _rollout_args(cfg) -> dict:
     return {**sampling, **hf, **({"lora": _lora(cfg)} if cfg.model.lora is not None else {})}
 
 
+def _agent_args(cfg) -> dict:
+    """The `AgentLoop` arguments of `rollout.agent` (the engine adds its tokenizer and stop ids)."""
+    a, r = cfg.rollout.agent, cfg.rollout
+    budgets = {"max_turns": a.max_turns, "max_new_tokens": a.turn_tokens(r.max_new_tokens),
+               "max_total_tokens": a.total_tokens(cfg.data.max_prompt_length, r.max_new_tokens),
+               "max_message_tokens": a.max_message_tokens}
+    return {"budgets": budgets, "env": a.env, "env_args": dict(a.env_args), "tools": list(a.tools),
+            "tool_parser": a.tool_parser, "tool_timeout_s": a.tool_timeout_s, "env_timeout_s": a.env_timeout_s,
+            "env_workers": a.env_workers, "tool_role": a.tool_role,
+            "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
+
+
 def _reward_args(cfg) -> dict:
     reward = cfg.reward
     tokenizer = cfg.model.tokenizer_path or cfg.model.path
@@ -127,6 +143,8 @@ def _reward_args(cfg) -> dict:
     if reward.kind == "model":
         return {"model_path": reward.model_path, "policy_tokenizer_path": tokenizer, "dtype": cfg.model.dtype,
                 **policy}
+    if reward.kind == "env":
+        return {}
     if reward.kind == "remote":
         remote = reward.remote
         return {"url": remote.url, "tokenizer_path": tokenizer, "timeout_s": remote.timeout_s,

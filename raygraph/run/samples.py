@@ -68,4 +68,9 @@ def console_lines(records: list[dict], width: int = 100) -> list[str]:
         score = "n/a" if r.get("score") is None else f"{r['score']:.3g}"
         lines.append(f"[raygraph]   sample {i}: score={score} | {tail(r.get('prompt', ''))!r} -> "
                      f"{head(r.get('response', ''))!r}")
+        if r.get("conversation"):   # multi-turn: every message on its own line
+            lines += [f"[raygraph]     {m['role']}: {head(m['text'])!r} ({m['tokens']} tokens"
+                      + (f", reward {m['reward']:.3g})" if m["role"] == "assistant" else ")")
+                      for m in r["conversation"]]
+            lines.append(f"[raygraph]     ended: {r.get('truncation', 'none')}")
     return lines

@@ -16,12 +16,15 @@ from raygraph.algos import losses
 from raygraph.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
+    RESPONSE_ATTENTION,
     RESPONSE_MASK,
     RESPONSES,
     RETURNS,
+    SEQUENCE_COLUMNS,
     VALUES,
     Batch,
     pad_right,
+    response_attention,
 )
 from raygraph.models.logprobs import sequence_inputs
 from raygraph.models.value_head import ValueModel
@@ -69,7 +72,7 @@ class CriticWorker:
         prompt_ids, responses = micro[PROMPT_IDS].to(self.device), micro[RESPONSES].to(self.device)
         response_mask = micro[RESPONSE_MASK].to(self.device)
         input_ids, attention_mask, position_ids = sequence_inputs(
-            prompt_ids, micro[PROMPT_MASK].to(self.device), responses, response_mask)
+            prompt_ids, micro[PROMPT_MASK].to(self.device), responses, response_attention(micro).to(self.device))
         P, R = prompt_ids.shape[1], responses.shape[1]
         with self.trained.compute():
             values = self.model(input_ids, attention_mask, position_ids)[:, P - 1:P - 1 + R]
@@ -79,7 +82,7 @@ class CriticWorker:
     def values(self, batch: Batch) -> Batch:
         """`Batch[values (B, R)]`, float32 on CPU."""
         self.model.eval()
-        columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
+        columns = batch.select_columns(SEQUENCE_COLUMNS)
         micros = columns.micro_batches(self.micro_batch_size, self.trained.max_tokens_per_micro_batch)
         width = columns[RESPONSES].shape[1]
         out = [pad_right(self._forward(micro).cpu(), width) for micro, is_dummy in
@@ -102,8 +105,8 @@ class CriticWorker:
             `critic/skipped_steps` (global over ranks), `critic/empty_updates` (1: no rank had a
             row, so no optimizer step was made).
         """
-        needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, VALUES, RETURNS]
-        missing = [c for c in needed if c not in batch]
+        needed = [*SEQUENCE_COLUMNS, VALUES, RETURNS]
+        missing = [c for c in needed if c not in batch and c != RESPONSE_ATTENTION]
         if missing:
             raise KeyError(f"CriticWorker.update needs columns {missing}; the batch has {batch.columns()}")
         metrics = self.trained.train(batch.select_columns(needed), self._value_loss, mask_key=RESPONSE_MASK,

@@ -30,12 +30,12 @@ from raygraph.batch import (
     INPUT_IDS,
     LOSS_MASK,
     OLD_LOGPROBS,
-    PROMPT_IDS,
-    PROMPT_MASK,
     REF_LOGPROBS,
+    RESPONSE_ATTENTION,
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOGPROBS,
+    SEQUENCE_COLUMNS,
     Batch,
     pad_right,
 )
@@ -108,7 +108,7 @@ class PolicyWorker:
     def logprobs(self, batch: Batch) -> Batch:
         """`Batch[old_logprobs (B, R), entropy (B, R)]` under the current weights (float32, CPU)."""
         self.model.eval()
-        columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
+        columns = batch.select_columns(SEQUENCE_COLUMNS)
         logprobs, entropy = [], []
         micros = columns.micro_batches(self.micro_batch_size, self.trained.max_tokens_per_micro_batch)
         width = columns[RESPONSES].shape[1]
@@ -189,7 +189,7 @@ class PolicyWorker:
             steps of this call, global over ranks (identical on every rank); `actor/lr`: the
             lr of the last step.
         """
-        needed = [PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK, ADVANTAGES]
+        needed = [*SEQUENCE_COLUMNS, ADVANTAGES]
         first_step = len(batch) if self.mini_batch_size is None else min(self.mini_batch_size, len(batch))
         if OLD_LOGPROBS in batch:
             needed.append(OLD_LOGPROBS)
@@ -203,7 +203,7 @@ class PolicyWorker:
             needed.append(REF_LOGPROBS)
         if ROLLOUT_LOGPROBS in batch:
             needed.append(ROLLOUT_LOGPROBS)
-        missing = [c for c in needed if c not in batch]
+        missing = [c for c in needed if c not in batch and c != RESPONSE_ATTENTION]
         if missing:
             raise KeyError(f"PolicyWorker.update needs columns {missing}; the batch has {batch.columns()}")
         self._first_step_rows, self._rollout_gap = first_step, 0.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK, RESPONSES, Batch, pad_right
+from raygraph.batch import REF_LOGPROBS, RESPONSES, SEQUENCE_COLUMNS, Batch, pad_right
 from raygraph.models.loading import load_causal_lm
 from raygraph.models.logprobs import forward_response, use_packed
 from raygraph.workers.distributed import default_device, dummy_row, fsdp_wrap, is_distributed, lockstep
@@ -55,7 +55,7 @@ class ReferenceWorker:
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> Batch:
         """`Batch[<column> (B, R)]`, float32 on CPU, 0 on padded positions."""
-        columns = batch.select_columns([PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK])
+        columns = batch.select_columns(SEQUENCE_COLUMNS)
         micros = columns.micro_batches(self.micro_batch_size, self.max_tokens_per_micro_batch)
         steps = lockstep(micros, lambda: dummy_row(columns)) if self.sharded else \
             [(micro, False) for micro in micros]

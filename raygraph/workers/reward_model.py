@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, UID, Batch
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, UID, Batch, response_attention
 from raygraph.models.loading import load_reward_model, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask
 from raygraph.rewards.batching import reward_batch
@@ -52,7 +52,7 @@ class RewardModelWorker:
     def _sequences(self, batch: Batch) -> list[list[int]]:
         """Each row's prompt + response valid tokens, in reward-model ids."""
         seqs = [torch.cat([p[pm.bool()], r[rm.bool()]]).tolist() for p, pm, r, rm in zip(
-            batch[PROMPT_IDS], batch[PROMPT_MASK], batch[RESPONSES], batch[RESPONSE_MASK])]
+            batch[PROMPT_IDS], batch[PROMPT_MASK], batch[RESPONSES], response_attention(batch))]
         if self.same_vocab:
             return seqs
         texts = self.policy_tokenizer.batch_decode(seqs, skip_special_tokens=False)

@@ -40,6 +40,7 @@ from raygraph.models.loading import load_causal_lm, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_runs
 from raygraph.models.lora import LoraSpec, apply_lora
 from raygraph.workers import rollout_engine
+from raygraph.workers.agent_rollout import HFTurns, agent_loop, generate_episodes
 from raygraph.workers.distributed import default_device
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
@@ -84,6 +85,8 @@ class HFRolloutWorker:
         lora: the policy's LoRA adapters (docs/lora.md): this model gets the same (a fresh adapter
             changes nothing) and weight syncs load the adapter tensors only (`lora_sync_for`).
         device: default: the current CUDA device, else CPU.
+        agent: multi-turn episodes instead of single responses: the `AgentLoop` arguments
+            (`raygraph.agents.loop`, from `rollout.agent`); turns are generated in waves.
     """
 
     @staticmethod
@@ -95,7 +98,7 @@ class HFRolloutWorker:
     def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto", seed: int = 0,
                  n: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), micro_batch_size: int = 64, lora: LoraSpec | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, agent: dict | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -115,6 +118,7 @@ class HFRolloutWorker:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._weight_version = 0
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
+        self.agent = None if agent is None else agent_loop(agent, self.tokenizer, self.stop_token_ids, None)
 
     # seeding, pipelining and checkpoints: the same for every engine (`raygraph.workers.rollout_engine`)
     weight_version, reseed = rollout_engine.weight_version, rollout_engine.reseed
@@ -145,6 +149,9 @@ class HFRolloutWorker:
         rows = batch.repeat_interleave(n) if n > 1 else batch
         if len(rows) == 0:
             return no_rollouts(rows, self._weight_version)
+        if self.agent is not None:
+            return generate_episodes(self.agent, HFTurns(self, greedy, temperature), rows, [None] * len(rows),
+                                     self._weight_version)
         pieces = [self._sample(rows[PROMPT_IDS][i:i + self.micro_batch_size],
                                rows[PROMPT_MASK][i:i + self.micro_batch_size], greedy,
                                temperature or self.temperature)
@@ -159,9 +166,11 @@ class HFRolloutWorker:
                                             skip_special_tokens=True)
         return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool,
-                temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-        """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU."""
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool, temperature: float,
+                max_new_tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU;
+        at most `max_new_tokens` tokens (default: the worker's)."""
+        max_new_tokens = max_new_tokens or self.max_new_tokens
         keep = prompt_mask.bool().any(0).nonzero()
         start = int(keep[0]) if len(keep) else 0  # drop columns that are padding in every row
         prompt_ids, mask = prompt_ids[:, start:].to(self.device), prompt_mask[:, start:].long().to(self.device)
@@ -173,14 +182,14 @@ class HFRolloutWorker:
         next_position = mask.sum(-1, keepdim=True)  # (B, 1): position of the first response token
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         tokens, alive, logprobs = [], [], []
-        for step in range(self.max_new_tokens):
+        for step in range(max_new_tokens):
             token, logprob = self._pick(logits, greedy, temperature)
             token = token.masked_fill(finished, self.tokenizer.pad_token_id)
             alive.append(~finished)
             tokens.append(token)
             logprobs.append(logprob.masked_fill(finished, 0.0))
             finished = finished | torch.isin(token, stop)
-            if bool(finished.all()) or step == self.max_new_tokens - 1:
+            if bool(finished.all()) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,

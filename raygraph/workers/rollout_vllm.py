@@ -52,6 +52,7 @@ from raygraph.batch import (
 from raygraph.models.loading import load_tokenizer
 from raygraph.models.lora import LoraSpec
 from raygraph.workers import rollout_engine, vllm_compat
+from raygraph.workers.agent_rollout import VLLMTurns, agent_loop, generate_episodes
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 from raygraph.workers.vllm_adapter import AdapterSlot
@@ -87,6 +88,8 @@ class VLLMRolloutWorker:
         lora: the policy's LoRA adapters (docs/lora.md); used only with `lora_sync="adapter"`.
         lora_sync: what the policy's syncs send, `lora_sync_for(model_path, lora)`: "adapter" (the
             engine serves the adapter with vLLM's LoRA support) or "merged" (full weights).
+        agent: multi-turn episodes instead of single responses: the `AgentLoop` arguments
+            (`raygraph.agents.loop`, from `rollout.agent`); each turn is its own request.
     """
 
     @staticmethod
@@ -101,7 +104,7 @@ class VLLMRolloutWorker:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                  enable_sleep_mode: bool = False, enable_prefix_caching: bool | None = None,
                  enforce_eager: bool = False, max_num_seqs: int | None = None, lora: LoraSpec | None = None,
-                 lora_sync: str = "merged") -> None:
+                 lora_sync: str = "merged", agent: dict | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -127,6 +130,7 @@ class VLLMRolloutWorker:
         if temperature != 1.0:
             vllm_compat.scale_logits(self.engine, 1.0 / temperature)
         self.max_model_len = vllm_compat.max_model_len(self.engine)
+        self.agent = None if agent is None else agent_loop(agent, self.tokenizer, self.stop_token_ids, self.max_model_len)
         self.enable_sleep_mode, self._asleep = enable_sleep_mode, False
         self.generator = torch.Generator().manual_seed(seed)
         self._weight_version = 0
@@ -140,6 +144,8 @@ class VLLMRolloutWorker:
 
     def close(self) -> None:
         """Stop the engine's processes (also happens when the worker is garbage-collected)."""
+        if self.agent is not None:
+            self.agent.shutdown()
         vllm_compat.shutdown(self.engine)
         if self._adapter is not None:
             self._adapter.close()
@@ -171,12 +177,18 @@ class VLLMRolloutWorker:
             return no_rollouts(rows, self._weight_version)
         ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
         prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]  # left padding dropped
+        seeds = [None] * len(rows) if greedy else torch.randint(
+            0, 2**31 - 1, (len(rows),), generator=self.generator).tolist()
+        if self.agent is not None:
+            self._wake()
+            out = generate_episodes(self.agent, VLLMTurns(self, greedy, temperature), rows, seeds, self._weight_version)
+            if self.enable_sleep_mode:
+                self.sleep()
+            return out
         longest = max(map(len, prompts))
         if longest + self.max_new_tokens > self.max_model_len:  # vLLM would cut the response short
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens {self.max_new_tokens} exceeds the "
                              f"engine's max_model_len {self.max_model_len}; raise max_model_len or drop long prompts")
-        seeds = [None] * len(rows) if greedy else torch.randint(
-            0, 2**31 - 1, (len(rows),), generator=self.generator).tolist()
         params = [vllm_compat.sampling_params(greedy=greedy, top_p=self.top_p, top_k=self.top_k,
                                               max_tokens=self.max_new_tokens,
                                               stop_token_ids=self.stop_token_ids, seed=s,

@@ -64,7 +64,7 @@ from raygraph.errors import RoleFailed
 __all__ = [
     "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
     "watch_engine", "begin_weight_update", "build_engine", "finish_weight_update",
-    "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
+    "add_token_request", "finished_requests", "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
     "sampling_params", "scale_logits", "shutdown", "sleep", "vllm_version", "wake_up",
 ]
 
@@ -166,13 +166,27 @@ def generate_tokens(engine: Any, prompts: Sequence[list[int]], params: Sequence[
     `lora`: the `LoRARequest` every prompt runs with (from `add_lora`), or None (the base model)."""
     outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], list(params), use_tqdm=False,
                               lora_request=lora)
-    result = []
-    for out in outputs:
-        sample = out.outputs[0]
-        tokens = list(sample.token_ids)
-        logprobs = [float(step[token].logprob) for token, step in zip(tokens, sample.logprobs)]
-        result.append((tokens, logprobs))
-    return result
+    return [_tokens_and_logprobs(out.outputs[0]) for out in outputs]
+
+
+def _tokens_and_logprobs(sample: Any) -> tuple[list[int], list[float]]:
+    tokens = list(sample.token_ids)
+    return tokens, [float(step[token].logprob) for token, step in zip(tokens, sample.logprobs)]
+
+
+def add_token_request(engine: Any, request_id: str, prompt: list[int], params: Any, lora: Any = None) -> None:
+    """Queue one token-id request on the engine without running it (multi-turn episodes submit
+    each turn as soon as it is known; `finished_requests` runs the engine)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY   # as LLM.generate asks: the whole output once
+    engine.llm_engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=lora)
+
+
+def finished_requests(engine: Any) -> list[tuple[str, list[int], list[float]]]:
+    """Run one engine step; `(request id, token ids, their log-probs)` of the requests it finished.
+    Call it only while requests are queued (the step waits for the engine's output)."""
+    return [(out.request_id, *_tokens_and_logprobs(out.outputs[0])) for out in engine.llm_engine.step() if out.finished]
 
 
 class RolloutEngineDied(RoleFailed, RuntimeError):

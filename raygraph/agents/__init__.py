@@ -1,0 +1,1 @@
+"""Multi-turn agent RL: tools the model calls, their parsing and execution, and sandboxes."""

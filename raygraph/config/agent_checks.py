@@ -1,0 +1,60 @@
+"""The checks of `rollout.agent` against the rest of the config (`raygraph validate` runs them):
+the environment, its arguments, the tools and the parser are loaded here, before any actor starts."""
+
+from __future__ import annotations
+
+from raygraph.agents.env import check_env_args, load_env
+from raygraph.agents.sandbox import SandboxUnavailable, network_isolation
+from raygraph.agents.tools import Toolbox, tool_parser
+from raygraph.algos.user_code import UserCodeError
+
+__all__ = ["agent_problems"]
+
+
+def agent_problems(cfg) -> list[str]:
+    """One line per problem of `rollout.agent` (none when it is unset and `reward.kind` is not env)."""
+    agent = cfg.rollout.agent
+    if agent is None:
+        return ["reward.kind=env scores the episodes of an environment: set rollout.agent.env"] \
+            if cfg.reward.kind == "env" else []
+    problems = []
+    if cfg.data.format != "rl":
+        problems.append(f"rollout.agent runs episodes from prompts; data.format={cfg.data.format!r} has no rollouts")
+    if not cfg.data.apply_chat_template:
+        problems.append("rollout.agent renders the messages between turns with the chat template: set "
+                        "data.apply_chat_template=true")
+    if agent.env is not None and cfg.reward.kind != "env":
+        problems.append(f"rollout.agent.env gives the rewards, so set reward.kind=env (it is {cfg.reward.kind!r})")
+    if agent.env is None and cfg.reward.kind == "env":
+        problems.append("reward.kind=env needs an environment: set rollout.agent.env (tools alone give no reward)")
+    total = agent.total_tokens(cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
+    if total <= cfg.data.max_prompt_length:
+        problems.append(f"rollout.agent.max_total_tokens={total} leaves no room after data.max_prompt_length="
+                        f"{cfg.data.max_prompt_length}")
+    if cfg.rollout.max_model_len is not None and total > cfg.rollout.max_model_len:
+        problems.append(f"rollout.agent.max_total_tokens={total} exceeds rollout.max_model_len="
+                        f"{cfg.rollout.max_model_len}: an episode would not fit the engine's context")
+    return problems + _user_code_problems(agent)
+
+
+def _user_code_problems(agent) -> list[str]:
+    problems = []
+    if agent.env is not None:
+        try:
+            problems += check_env_args(load_env(agent.env), agent.env_args)
+        except UserCodeError as exc:
+            problems.append(f"rollout.agent.env: {exc}")
+    elif agent.env_args:
+        problems.append("rollout.agent.env_args is set but there is no rollout.agent.env to take it")
+    if agent.tools:
+        try:
+            Toolbox(agent.tools)
+            tool_parser(agent.tool_parser)
+        except UserCodeError as exc:
+            problems.append(f"rollout.agent.tools: {exc}")
+    if "python_exec" in agent.tools:
+        try:
+            network_isolation()
+        except SandboxUnavailable as exc:
+            problems.append(f"rollout.agent.tools: python_exec: {exc}")
+    return problems

@@ -1,0 +1,58 @@
+"""`rollout.agent`: multi-turn episodes with an environment and/or tools (docs/agents.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from raygraph.algos.user_code import absolute_ref
+from raygraph.config.section import Section
+
+__all__ = ["AgentConfig"]
+
+
+def _absolute(value):
+    return absolute_ref(value) if isinstance(value, str) and ":" in value else value
+
+
+class AgentConfig(Section):
+    env: str | None = Field(None, description="The environment: a registered name (reveal_then_answer, tool_answer) "
+                                              "or my_env.py:MyEnv (raygraph.agents.env has the contract); null = "
+                                              "tools only: an episode ends when the model answers without a tool call.")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's "
+                                                                         "constructor (checked against it).")
+    tools: list[str] = Field(default_factory=list, description="Tools the model may call: python_exec (sandboxed, "
+                             "raygraph.agents.sandbox) or my_tools.py:fn (typed, with a docstring); their schemas go to "
+                             "the chat template (tools=).")
+    tool_parser: str = Field("hermes", description="How tool calls are read from a turn: hermes "
+                                                   "(<tool_call>{json}</tool_call>) or my_parser.py:parse.")
+    tool_role: str = Field("tool", description="Chat role of tool results (a template without a tool role: user).")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode at most (truncation 'turns').")
+    max_new_tokens: int | None = Field(None, ge=1, description="Tokens per model turn; null = rollout.max_new_tokens.")
+    max_total_tokens: int | None = Field(None, ge=2, description="Prompt + every turn and message per episode "
+                                         "(truncation 'context'); null = data.max_prompt_length + max_turns x "
+                                         "max_new_tokens + (max_turns - 1) x (max_message_tokens + 16).")
+    max_message_tokens: int = Field(256, ge=1, description="Tokens of one tool result or observation; longer ones "
+                                                           "are cut and say so.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="One tool call's time limit (python_exec has its own "
+                                                          "process limits too).")
+    env_timeout_s: float | None = Field(None, gt=0, description="One reaction's limit (tools + environment step); "
+                                        "the episode then ends with truncation 'env_timeout'. null = none.")
+    env_workers: int = Field(16, ge=1, description="Threads per rollout rank running environment steps and tools "
+                                                   "while the engine keeps generating.")
+
+    _refs = field_validator("env", "tool_parser")(lambda value: _absolute(value))
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_refs(cls, value: list[str]) -> list[str]:
+        return [_absolute(v) for v in value]
+
+    def turn_tokens(self, rollout_max_new_tokens: int) -> int:
+        return self.max_new_tokens or rollout_max_new_tokens
+
+    def total_tokens(self, max_prompt_length: int, rollout_max_new_tokens: int) -> int:
+        """`max_total_tokens`, its default filled in."""
+        return self.max_total_tokens or (max_prompt_length + self.max_turns * self.turn_tokens(rollout_max_new_tokens)
+                                         + (self.max_turns - 1) * (self.max_message_tokens + 16))
