@@ -117,12 +117,21 @@ class _MlflowSink:
     def log_samples(self, path: Path, records: list[dict]) -> None:
         self.mlflow.log_artifact(str(path), artifact_path="samples")
         columns = sorted({k for r in records for k in r})
-        table = {c: [r.get(c) if isinstance(r.get(c), (int, float, str, type(None))) else str(r.get(c))
-                     for r in records] for c in columns}
+        table = {c: [_cell(r.get(c)) for r in records] for c in columns}
         self.mlflow.log_table(data=table, artifact_file=f"tables/{path.stem}.json")
 
     def close(self, status: str) -> None:
         self.mlflow.end_run(status=status)
+
+
+def _cell(value):
+    """A table cell: scalars as they are, a multi-turn conversation one `role: text` line per
+    message, anything else as its string."""
+    if isinstance(value, (int, float, str, type(None))):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+        return "\n".join(f"{m['role']}: {m.get('text', '')}" for m in value)
+    return str(value)
 
 
 class _RayMetricsSink:

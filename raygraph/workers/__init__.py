@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = [
     "CriticWorker", "HFRolloutWorker", "PolicyWorker", "ReferenceWorker", "RemoteRewardWorker",
-    "RewardModelWorker", "RuleRewardWorker", "VLLMRolloutWorker",
+    "EnvRewardWorker", "RewardModelWorker", "RuleRewardWorker", "VLLMRolloutWorker",
 ]
 
 _MODULES = {
@@ -19,6 +19,7 @@ _MODULES = {
     "HFRolloutWorker": "raygraph.workers.rollout_hf",
     "PolicyWorker": "raygraph.workers.policy",
     "ReferenceWorker": "raygraph.workers.reference",
+    "EnvRewardWorker": "raygraph.workers.reward_env",
     "RemoteRewardWorker": "raygraph.workers.reward_remote",
     "RewardModelWorker": "raygraph.workers.reward_model",
     "RuleRewardWorker": "raygraph.workers.reward_rule",
