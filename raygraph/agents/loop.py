@@ -45,7 +45,7 @@ class EnvFailed(RaygraphError, RuntimeError):
 
 class TurnEngine(Protocol):
     """What the loop needs of a rollout engine (`raygraph.workers.agent_rollout` adapts both)."""
-    lock_step: bool
+    lock_step: bool   # True: the loop runs waves (every waiting turn, then every reaction)
 
     def submit(self, key: int, prompt: list[int], max_tokens: int, seed: int | None) -> None:
         """Queue one model turn: generate up to `max_tokens` after `prompt` (token ids)."""
@@ -123,7 +123,7 @@ class AgentLoop:
                 self._ask(engine, ep)
             while not all(ep.done for ep in episodes):
                 if engine.pending() and not (engine.lock_step and waiting):
-                    for key, tokens, logprobs in engine.poll():
+                    for key, tokens, logprobs in self._finished_turns(engine):
                         ep = episodes[key]
                         ep.add_model_turn(tokens, logprobs, self.tokenizer.decode(tokens, skip_special_tokens=True))
                         future = self.pool.submit(self._react, ep, envs, rows[key], ep.messages[-1]["text"])
@@ -140,6 +140,15 @@ class AgentLoop:
         for ep in episodes:
             ep.check()
         return episodes
+
+    @staticmethod
+    def _finished_turns(engine: TurnEngine) -> list[tuple[int, list[int], list[float]]]:
+        """The turns a poll finished; for a lock-step engine, every turn of the wave (polled until
+        none is pending), whatever its `poll` returns at a time."""
+        finished = engine.poll()
+        while engine.lock_step and engine.pending():
+            finished += engine.poll()
+        return finished
 
     def _collect(self, engine: TurnEngine, waiting: dict[Future, tuple[Episode, float]]) -> None:
         now = time.monotonic()
