@@ -24,6 +24,7 @@ import torch
 
 from raygraph.algos import dapo as dapo_maths
 from raygraph.batch import (
+    AGENT_TRUNCATION,
     PROMPT_BATCHES_USED,
     RESPONSE_LENGTH,
     RESPONSE_MASK,
@@ -54,7 +55,9 @@ def overlong_penalty(batch: Batch, *, max_len: int, buffer: int, factor: float) 
 
     Args:
         batch: `token_level_scores` (B, R), `response_mask` or `response_length`.
-        max_len: the rollout's `max_new_tokens`; buffer: L_cache >= 1; factor: the largest penalty.
+        max_len: the model tokens a row may hold (`fragments.response_budget`: the rollout's
+            `max_new_tokens`, or for episodes `max_turns` x the tokens of a turn);
+            buffer: L_cache >= 1; factor: the largest penalty.
     Returns:
         `batch` with the penalty added to `token_level_scores`; `meta["overlong_penalty"]` its mean.
     """
@@ -75,8 +78,13 @@ def mask_truncated(batch: Batch, *, max_len: int) -> Batch:
 
     A row that emitted its stop token exactly at the limit counts as cut too (the batch does not
     say which token ended a row); DAPO's "overlong filtering" is defined on length the same way.
+    A multi-turn episode says why it ended: it is cut unless it finished (`agent_truncation`
+    "none"; a budget of turns, length or context, or a time-out, cuts it).
     """
-    cut = _lengths(batch) >= max_len                                             # (B,)
+    if AGENT_TRUNCATION in batch:
+        cut = torch.tensor([str(reason) != "none" for reason in batch[AGENT_TRUNCATION]], dtype=torch.bool)
+    else:
+        cut = _lengths(batch) >= max_len                                         # (B,)
     mask = batch[RESPONSE_MASK] * (~cut).to(batch[RESPONSE_MASK].dtype)[:, None]
     out = batch.with_columns(**{RESPONSE_MASK: mask})
     out.meta["truncated_rows"] = int(cut.sum())

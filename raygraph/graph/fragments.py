@@ -75,7 +75,7 @@ def shape_rollouts(roles, cfg, scored, prompts=None):
 
 def _penalise(roles, cfg, scored):
     """The overlong penalty and the truncation mask, when configured (else `scored` itself)."""
-    algo, max_len = cfg.algorithm, cfg.rollout.max_new_tokens
+    algo, max_len = cfg.algorithm, response_budget(cfg)
     batch = scored
     if algo.overlong_penalty.buffer:
         batch = roles.apply(dapo.overlong_penalty, batch, max_len=max_len, buffer=algo.overlong_penalty.buffer,
@@ -83,6 +83,13 @@ def _penalise(roles, cfg, scored):
     if algo.mask_truncated:
         batch = roles.apply(dapo.mask_truncated, batch, max_len=max_len)
     return batch
+
+
+def response_budget(cfg) -> int:
+    """The model tokens one row may hold, what DAPO's length options measure against:
+    `rollout.max_new_tokens`, or with multi-turn episodes `max_turns` x the tokens of a turn."""
+    agent = cfg.rollout.agent
+    return cfg.rollout.max_new_tokens if agent is None else agent.max_turns * agent.turn_tokens(cfg.rollout.max_new_tokens)
 
 
 def reference_logprobs(roles, cfg, batch):

@@ -66,7 +66,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/response_length_max": float(lengths.max()),
         "rollout/response_length_min": float(lengths.min()),
-        "rollout/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "rollout/clip_ratio": _clip_ratio(batch, lengths, mask.shape[1]),
         "rollout/tokens": float(mask.sum()),
         "rollout/samples": float(len(batch)),
     })
@@ -82,6 +82,14 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     if AGENT_TURNS in batch:
         out.update(agent_metrics(batch))
     return out
+
+
+def _clip_ratio(batch: Batch, lengths, width: int) -> float:
+    """Share of rows cut by a length budget: as long as the batch is wide, or for episodes, ended
+    by the length of a turn or of the context (observations make rows wider than their tokens)."""
+    if AGENT_TRUNCATION in batch:
+        return float(np.mean([str(t) in ("length", "context") for t in batch[AGENT_TRUNCATION]]))
+    return float((lengths >= width).float().mean())
 
 
 def agent_metrics(batch: Batch) -> dict[str, float]:
