@@ -267,13 +267,18 @@ class Batch:
         batches = [b for b in batches if b is not None]
         if not batches:
             return Batch()
+        meta = dict(batches[0].meta)
+        batches = [b for b in batches if len(b)] or batches[:1]   # a rank without rows adds none
         if len(batches) == 1:
-            return batches[0]
+            return Batch(dict(batches[0].tensors), dict(batches[0].non_tensors), meta)
+        columns = set(batches[0].columns())
+        odd = [sorted(columns ^ set(b.columns())) for b in batches[1:] if set(b.columns()) != columns]
+        if odd:
+            raise ValueError(f"cannot concat batches with different columns (differing: {odd[0]})")
         names = batches[0].tensors.keys()
         tensors = {name: _cat_padded([b.tensors[name] for b in batches], name) for name in names}
         non_tensors = {name: np.concatenate([b.non_tensors[name] for b in batches])
                        for name in batches[0].non_tensors}
-        meta = dict(batches[0].meta)
         return Batch(tensors, non_tensors, meta)
 
     def to(self, device: torch.device | str) -> Batch:

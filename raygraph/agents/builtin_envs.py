@@ -48,13 +48,12 @@ class RevealThenAnswerEnv:
 
 
 class ToolAnswerEnv:
-    """Answer turns (no `<tool_call>`) end the episode: 1 if their last number is the ground truth."""
+    """Answer turns (no tool call) end the episode: 1 if their last number is the ground truth."""
 
-    def __init__(self, row: dict, call_marker: str = "<tool_call>") -> None:
+    def __init__(self, row: dict) -> None:
         self.answer = str(row["reward_model"]["ground_truth"]).strip()
-        self.call_marker = call_marker
 
-    def step(self, response: str):
-        if self.call_marker in response:
+    def step(self, response: str, tool_calls=()):
+        if tool_calls:
             return None, 0.0, False
         return None, gsm8k_flexible(response, self.answer).score, True

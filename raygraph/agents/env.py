@@ -8,7 +8,8 @@
 
 * `row` is the episode's data row: `prompt` (the chat messages), `reward_model` (with
   `ground_truth`), `extra_info`, `data_source`, as in the dataset.
-* `step` is called after every model turn with the text of that turn (special tokens removed);
+* `step` is called after every model turn with the text of that turn (special tokens removed;
+  a `step` that also takes a `tool_calls` keyword gets the turn's parsed `ToolCall`s);
   `observation` (a string, or None for no message) becomes the next user message; `reward`
   (a number) may come at any turn and is placed on the last token of the turn it follows;
   `done=True` ends the episode.
@@ -25,6 +26,7 @@ import difflib
 import importlib
 import inspect
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +128,6 @@ def as_env_step(value: Any, env: object) -> EnvStep:
     if observation is not None and not isinstance(observation, str):
         raise EnvContractError(f"{name}.step returned an observation of type {type(observation).__name__}; "
                                "it must be a string or None")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
         raise EnvContractError(f"{name}.step returned reward {reward!r}; it must be a finite number")
     return EnvStep(observation, float(reward), bool(done))

@@ -13,8 +13,9 @@ rewards sum to its return. Observation and template tokens have log-prob 0 and a
 
 Budgets (`AgentBudgets`) end an episode early; the reason is kept (`TRUNCATIONS`):
     "turns"    `max_turns` model turns were taken and the environment was not done
-    "length"   the last turn hit `max_new_tokens` without a stop token and nothing followed
-    "context"  the next messages + a turn would not fit `max_total_tokens`
+    "length"   the last turn hit `max_new_tokens` without a stop token
+    "context"  the next messages + a turn would not fit `max_total_tokens`, or the last turn was
+               cut by what was left of it
     "env_timeout"  an environment step or tool ran past `env_timeout_s`
     "none"     the environment said done (or, without one, the model answered without a tool call)
 """
@@ -50,6 +51,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     turns: int = 0
+    last_room: int = 0                     # the token budget the latest turn was given
     truncation: str = "none"
     done: bool = False
     tool_status: Counter = field(default_factory=Counter)   # ok / error / timeout
@@ -65,7 +67,10 @@ class Episode:
         """`(prompt ids, max tokens)` of the next model turn, or None when no token fits the context."""
         used = len(self.prompt) + len(self.tokens)
         room = min(budgets.max_new_tokens, budgets.max_total_tokens - used)
-        return (self.prompt + self.tokens, room) if room >= 1 else None
+        if room < 1:
+            return None
+        self.last_room = room
+        return self.prompt + self.tokens, room
 
     def add_model_turn(self, tokens: list[int], logprobs: list[float], text: str) -> None:
         self.tokens += tokens

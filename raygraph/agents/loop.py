@@ -1,34 +1,40 @@
 """Runs many episodes at once over a rollout engine: model turns, tools, environment steps.
 
 The loop keeps every episode moving on its own. A model turn that finishes goes to a thread pool
-(tool calls, then the environment's `step`) while the engine keeps decoding the other episodes'
-turns; when the reaction is back the episode's next turn is submitted at once. So an episode that
-waits for a slow environment holds up no other, and the engine's batch stays full (continuous
-batching over episodes, the vLLM engine's `TurnEngine`).
+(`raygraph.agents.reactions`: tool calls, then the environment's `step`) while the engine keeps
+decoding the other episodes' turns; when the reaction is back the episode's next turn is submitted
+at once. So an episode that waits for a slow environment holds up no other, and the engine's batch
+stays full (continuous batching over episodes, the vLLM engine's `TurnEngine`).
 
 An engine that cannot take requests one by one (the HF sampler) says `lock_step = True`: the loop
 then runs in waves (every waiting episode's turn generated together, all reactions awaited before
-the next wave), which is what a plain turn loop does; the results are the same, only slower.
+the next wave), which is what a plain turn loop does.
+
+`env_timeout_s` bounds one reaction from when it starts running (time queued for a pool thread
+does not count). A reaction past it ends its episode ("env_timeout"); its thread cannot be killed
+and keeps running in the background. When as many reactions hang as the pool has threads, the
+run stops with `EnvFailed` instead of timing out every later episode.
+
+If a run fails (an environment raises, the engine dies), its requests still in the engine are
+aborted and every environment it opened is closed before the error propagates.
 
 Reproducibility: each turn's seed is a function of the episode's seed and the turn number
-(`Episode.turn_seed`), and a vLLM sample depends on its seed, prompt and the weights only; so an
-episode's tokens do not depend on timing or on the other episodes.
+(`Episode.turn_seed`); on vLLM's CPU build a sample depends on its seed, prompt and the weights
+only, so an episode's tokens do not depend on timing or on the other episodes (docs/agents.md has
+the caveats: GPU batch invariance, the HF sampler's shared generator).
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from raygraph.agents.env import EnvContractError, EnvStep, as_env_step, check_env_args, load_env
+from raygraph.agents.env import EnvContractError, check_env_args, load_env
 from raygraph.agents.episode import AgentBudgets, Episode
+from raygraph.agents.reactions import EpisodeEnvs, Reaction, Reactor, RunClosed
 from raygraph.agents.tools import Toolbox
 from raygraph.agents.tools import tool_parser as tool_parser_fn
 from raygraph.agents.turns import TurnTemplate
@@ -40,7 +46,7 @@ log = logging.getLogger("raygraph")
 
 
 class EnvFailed(RaygraphError, RuntimeError):
-    """A user environment raised (its class, the episode and the turn are named)."""
+    """A user environment or tool failed (its class, the episode and the turn are named)."""
 
 
 class TurnEngine(Protocol):
@@ -56,15 +62,8 @@ class TurnEngine(Protocol):
     def poll(self) -> list[tuple[int, list[int], list[float]]]:
         """Advance the engine; the turns that finished: `(key, token ids, their log-probs)`."""
 
-
-@dataclass
-class _Reaction:
-    """What followed a model turn: tool results and the environment's step."""
-    messages: list[dict] = field(default_factory=list)   # role + content, in order
-    tool_status: list[str] = field(default_factory=list)
-    step: EnvStep | None = None
-    tool_calls: int = 0
-    seconds: float = 0.0
+    def abort(self) -> None:
+        """Drop every pending turn (a failed run leaves nothing in the engine)."""
 
 
 class AgentLoop:
@@ -80,8 +79,7 @@ class AgentLoop:
         tools: tool references (`raygraph.agents.tools.Toolbox`).
         tool_parser: how tool calls are found in a turn's text (a registered name or a reference).
         tool_timeout_s: one tool call's limit.
-        env_timeout_s: one reaction's limit (tools + environment step); the episode ends with
-            truncation "env_timeout" (a Python thread cannot be killed: it finishes in the background).
+        env_timeout_s: one reaction's limit (tools + environment step), from when it starts.
         env_workers: threads running reactions (environment steps, tools) at once.
         tool_role: the role of tool-result messages in the chat template ("tool").
         chat_template_kwargs: extra template variables (the data's; `tools=` is added here).
@@ -93,22 +91,22 @@ class AgentLoop:
                  env_workers: int = 16, tool_role: str = "tool", chat_template_kwargs: dict | None = None) -> None:
         if env is None and not tools:
             raise ValueError("an agent needs an environment (rollout.agent.env) or tools (rollout.agent.tools)")
-        self.env_cls = load_env(env) if env else None
-        self.env_args = dict(env_args or {})
-        if self.env_cls is not None and (problems := check_env_args(self.env_cls, self.env_args)):
+        env_cls = load_env(env) if env else None
+        if env_cls is not None and (problems := check_env_args(env_cls, dict(env_args or {}))):
             raise EnvContractError("; ".join(problems))
-        self.toolbox = Toolbox(list(tools), timeout_s=tool_timeout_s) if tools else None
-        self.parse = tool_parser_fn(tool_parser) if tools else None
+        toolbox = Toolbox(list(tools), timeout_s=tool_timeout_s) if tools else None
+        self.reactor = Reactor(env_cls, env_args or {}, toolbox, tool_parser_fn(tool_parser) if tools else None,
+                               tool_role)
         kwargs = dict(chat_template_kwargs or {})
-        if self.toolbox is not None:
-            kwargs["tools"] = self.toolbox.schemas
-        budgets = budgets if isinstance(budgets, AgentBudgets) else AgentBudgets(**budgets)
-        self.tokenizer, self.budgets, self.tool_role = tokenizer, budgets, tool_role
+        if toolbox is not None:
+            kwargs["tools"] = toolbox.schemas
+        self.tokenizer = tokenizer
+        self.budgets = budgets if isinstance(budgets, AgentBudgets) else AgentBudgets(**budgets)
         self.template = TurnTemplate(tokenizer, kwargs, stop_token_ids)
         self.stop_token_ids = set(stop_token_ids)
-        self.env_timeout_s = env_timeout_s
+        self.env_timeout_s, self.env_workers = env_timeout_s, env_workers
         self.pool = ThreadPoolExecutor(env_workers, thread_name_prefix="raygraph-env")
-        self._loop: asyncio.AbstractEventLoop | None = None   # runs async environments' steps
+        self.hung = 0   # reactions past env_timeout_s still holding a pool thread
 
     # ------------------------------------------------------------------------------ running
     def run(self, engine: TurnEngine, prompts: Sequence[list[int]], rows: Sequence[dict],
@@ -116,8 +114,10 @@ class AgentLoop:
         """Run one episode per prompt to its end; `rows[i]` is given to episode i's environment."""
         episodes = [Episode(i, list(p), s, uid=row.get("uid"))
                     for i, (p, s, row) in enumerate(zip(prompts, seeds, rows, strict=True))]
-        envs: dict[int, Any] = {}
-        waiting: dict[Future, tuple[Episode, float]] = {}
+        envs = EpisodeEnvs(self.reactor.events)
+        waiting: dict[Future, Episode] = {}
+        started: dict[int, float] = {}   # episode index -> when its reaction began running
+        finished = False
         try:
             for ep in episodes:
                 self._ask(engine, ep)
@@ -125,21 +125,44 @@ class AgentLoop:
                 if engine.pending() and not (engine.lock_step and waiting):
                     for key, tokens, logprobs in self._finished_turns(engine):
                         ep = episodes[key]
-                        ep.add_model_turn(tokens, logprobs, self.tokenizer.decode(tokens, skip_special_tokens=True))
-                        future = self.pool.submit(self._react, ep, envs, rows[key], ep.messages[-1]["text"])
-                        waiting[future] = (ep, time.monotonic() + (self.env_timeout_s or float("inf")))
+                        text, raw = self._texts(tokens)
+                        ep.add_model_turn(tokens, logprobs, text)
+                        waiting[self.pool.submit(self._react, ep, envs, rows[key], text, raw, started)] = ep
                 elif waiting:
-                    nearest = min(deadline for _, deadline in waiting.values()) - time.monotonic()
-                    wait(list(waiting), timeout=None if nearest == float("inf") else max(nearest, 0.0),
+                    wait(list(waiting), timeout=self._time_left(waiting, started),
                          return_when="ALL_COMPLETED" if engine.lock_step else FIRST_COMPLETED)
-                elif not all(ep.done for ep in episodes):
+                else:
                     raise AssertionError("agent loop: episodes left with nothing submitted or running")
-                self._collect(engine, waiting)
+                self._collect(engine, waiting, started)
+            finished = True
         finally:
-            self._close(envs)
+            if not finished:
+                engine.abort()
+            for future in waiting:
+                future.cancel()
+            envs.close_all()
         for ep in episodes:
             ep.check()
         return episodes
+
+    def _texts(self, tokens: list[int]) -> tuple[str, str]:
+        """A turn's text without special tokens (the environment's) and with them, less its stop
+        token (the tool parser's)."""
+        body = tokens[:-1] if tokens and tokens[-1] in self.stop_token_ids else tokens
+        return (self.tokenizer.decode(tokens, skip_special_tokens=True),
+                self.tokenizer.decode(body, skip_special_tokens=False))
+
+    def _react(self, ep: Episode, envs: EpisodeEnvs, row: dict, text: str, raw: str,
+               started: dict[int, float]) -> Reaction:
+        started[ep.index] = time.monotonic()
+        return self.reactor.react(ep.index, envs, row, text, raw)
+
+    def _time_left(self, waiting: dict[Future, Episode], started: dict[int, float]) -> float | None:
+        """Seconds until the first running reaction's deadline (None: no deadline)."""
+        if self.env_timeout_s is None:
+            return None
+        begun = [started[ep.index] for ep in waiting.values() if ep.index in started]
+        return max(min(begun) + self.env_timeout_s - time.monotonic(), 0.0) if begun else 0.05
 
     @staticmethod
     def _finished_turns(engine: TurnEngine) -> list[tuple[int, list[int], list[float]]]:
@@ -150,22 +173,37 @@ class AgentLoop:
             finished += engine.poll()
         return finished
 
-    def _collect(self, engine: TurnEngine, waiting: dict[Future, tuple[Episode, float]]) -> None:
+    def _collect(self, engine: TurnEngine, waiting: dict[Future, Episode], started: dict[int, float]) -> None:
         now = time.monotonic()
-        for future in [f for f, (_, deadline) in waiting.items() if f.done() or deadline <= now]:
-            ep, _ = waiting.pop(future)
+        for future, ep in list(waiting.items()):
             if not future.done():
-                ep.finish("env_timeout")
+                if self.env_timeout_s is not None and ep.index in started \
+                        and now - started[ep.index] > self.env_timeout_s:
+                    del waiting[future]
+                    started.pop(ep.index)
+                    self._hung(ep)
                 continue
+            del waiting[future]
+            started.pop(ep.index, None)
             try:
                 reaction = future.result()
-            except EnvContractError:
+            except (EnvContractError, RunClosed):
                 raise
             except Exception as exc:  # noqa: BLE001 - a user environment: name it and the episode
-                name = self.env_cls.__name__ if self.env_cls else "a tool"
-                raise EnvFailed(f"{name} raised in episode {ep.index} (uid {ep.uid!r}) after turn {ep.turns}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+                cls = self.reactor.env_cls
+                raise EnvFailed(f"{cls.__name__ if cls else 'a tool'} raised in episode {ep.index} (uid {ep.uid!r}) "
+                                f"after turn {ep.turns}: {type(exc).__name__}: {exc}") from exc
             self._advance(engine, ep, reaction)
+
+    def _hung(self, ep: Episode) -> None:
+        """A reaction ran past `env_timeout_s`: its episode ends; its thread stays taken."""
+        ep.finish("env_timeout")
+        self.hung += 1
+        if self.hung >= self.env_workers:
+            raise EnvFailed(f"{self.hung} environment steps or tool calls ran past rollout.agent.env_timeout_s="
+                            f"{self.env_timeout_s} and still hold every one of the {self.env_workers} env_workers "
+                            "threads (a Python thread cannot be killed): fix the environment, or run what may "
+                            "hang in a subprocess with its own limit")
 
     def _ask(self, engine: TurnEngine, ep: Episode) -> None:
         request = ep.next_request(self.budgets)
@@ -174,17 +212,19 @@ class AgentLoop:
         else:
             engine.submit(ep.index, request[0], request[1], ep.turn_seed())
 
-    def _advance(self, engine: TurnEngine, ep: Episode, reaction: _Reaction) -> None:
+    def _advance(self, engine: TurnEngine, ep: Episode, reaction: Reaction) -> None:
         """Account for a reaction, then end the episode or submit its next turn."""
         ep.env_s += reaction.seconds
         ep.tool_status.update(reaction.tool_status)
         if reaction.step is not None:
             ep.add_reward(reaction.step.reward)
         last_token = ep.tokens[-1] if ep.tokens else None
-        cut = last_token not in self.stop_token_ids
+        # a turn without its stop token was cut: by the context when it was given less than a turn's budget
+        cut = None if last_token in self.stop_token_ids else \
+            "context" if ep.last_room < self.budgets.max_new_tokens else "length"
         done = reaction.step.done if reaction.step is not None else reaction.tool_calls == 0
         if done or ep.turns >= self.budgets.max_turns:
-            ep.finish("length" if cut and done else "none" if done else "turns")
+            ep.finish(cut or ("none" if done else "turns"))
             return
         shown = [self._capped(m) for m in reaction.messages]
         tokens = self.template.appended_tokens([{"role": m["role"], "content": m["text"]} for m in shown], last_token)
@@ -203,57 +243,6 @@ class AgentLoop:
         return {"role": message["role"], "text": text, "tokens": min(len(ids), limit), "reward": 0.0,
                 "truncated": len(ids) > limit}
 
-    # ------------------------------------------------------------------------------ reactions (pool threads)
-    def _react(self, ep: Episode, envs: dict, row: dict, text: str) -> _Reaction:
-        start, reaction = time.monotonic(), _Reaction()
-        if self.toolbox is not None:
-            calls = self.parse(text)
-            reaction.tool_calls = len(calls)
-            for call in calls:
-                result = self.toolbox.call(call)
-                reaction.tool_status.append(result.status)
-                reaction.messages.append({"role": self.tool_role, "content": result.text})
-        if self.env_cls is not None:
-            env = envs.get(ep.index)
-            if env is None:
-                env = envs[ep.index] = self.env_cls(dict(row), **self.env_args)
-            reaction.step = as_env_step(self._call_step(env, text), env)
-            if reaction.step.observation is not None and not reaction.step.done:
-                reaction.messages.append({"role": "user", "content": reaction.step.observation})
-        reaction.seconds = time.monotonic() - start
-        return reaction
-
-    def _call_step(self, env: Any, text: str) -> Any:
-        if not inspect.iscoroutinefunction(env.step):
-            return env.step(text)
-        return asyncio.run_coroutine_threadsafe(env.step(text), self._event_loop()).result()
-
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        """One event loop thread for every async environment of this loop."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="raygraph-env-async", daemon=True).start()
-        return self._loop
-
-    def _close(self, envs: dict) -> None:
-        """`close()` every environment that has one (also after a failure); a failing close is logged."""
-        for index, env in envs.items():
-            close = getattr(env, "close", None)
-            if close is None:
-                continue
-            try:
-                result = close()
-                if inspect.isawaitable(result):
-                    asyncio.run_coroutine_threadsafe(result, self._event_loop()).result()
-            except Exception as exc:  # noqa: BLE001 - user code; the episode's data is already kept
-                log.warning("%s.close() raised in episode %d: %s: %s", type(env).__name__, index,
-                            type(exc).__name__, exc)
-        envs.clear()
-
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-
-
-
+        self.reactor.events.stop()

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 STATUSES = ("ok", "error", "timeout")
 
 # Built-in tools by name -> reference; a tool's module is imported only when a Toolbox asks for it.
-BUILTIN_TOOLS = {"python_exec": "raygraph.agents.sandbox:python_exec"}
+BUILTIN_TOOLS = {"python_exec": "raygraph.agents.sandbox:python_exec",
+                 "calculator": "raygraph.agents.calculator:calculator"}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ closes it.
 
 `template_rewrites_history` tells whether the template renders the assistant turn differently once
 more messages follow (e.g. templates that drop earlier reasoning): raygraph still trains the exact
-stream; the count is a metric (`agent/template_rewrites`) so users know their template does this.
+stream; the check is for users who want to know what their template does.
 """
 
 from __future__ import annotations

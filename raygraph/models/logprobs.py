@@ -1,7 +1,8 @@
 """Log-probabilities and entropy of response tokens under a causal LM.
 
 The sequence a role sees is `input_ids = cat(prompt_ids, responses)` with
-`attention_mask = cat(prompt_mask, response_mask)` (prompts left-padded, responses right-padded,
+`attention_mask = cat(prompt_mask, response_attention)` (= `response_mask` unless multi-turn rows
+hold observation tokens, see `raygraph.batch`; prompts left-padded, responses right-padded,
 so the first response token sits at column P). Position ids count real tokens only,
 `position_ids = cumsum(attention_mask) - 1` clamped at 0, so a row's positions, and hence its
 log-probs, do not depend on how much padding the batch carries. The logit at column `P - 1 + t`
@@ -39,6 +40,7 @@ from raygraph.batch import (
     PROMPT_MASK,
     RESPONSE_MASK,
     RESPONSES,
+    SEQUENCE_COLUMNS,
     Batch,
     pad_right,
     response_attention,
@@ -259,7 +261,7 @@ def response_logprobs(
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    names = (PROMPT_IDS, PROMPT_MASK, RESPONSES, RESPONSE_MASK)
+    names = [name for name in SEQUENCE_COLUMNS if name in batch_or_tensors]
     columns = Batch({name: batch_or_tensors[name] for name in names})
     width = columns[RESPONSES].shape[1]
     packed = use_packed(model, packed)

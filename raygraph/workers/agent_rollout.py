@@ -44,9 +44,9 @@ from raygraph.batch import (
 )
 from raygraph.data.prompts import left_pad
 from raygraph.workers import vllm_compat
-from raygraph.workers.rollout_output import rollout_rows
+from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 
-__all__ = ["HFTurns", "VLLMTurns", "agent_loop", "episode_rows", "generate_episodes", "run_episodes"]
+__all__ = ["no_episodes", "HFTurns", "VLLMTurns", "agent_loop", "episode_rows", "generate_episodes", "run_episodes"]
 
 _request_ids = itertools.count()
 
@@ -78,6 +78,11 @@ class VLLMTurns:
             finished = vllm_compat.finished_requests(self.worker.engine)
         return [(self._keys.pop(request_id), tokens, logprobs) for request_id, tokens, logprobs in finished]
 
+    def abort(self) -> None:
+        if self._keys:
+            vllm_compat.abort_requests(self.worker.engine, list(self._keys))
+            self._keys.clear()
+
 
 class HFTurns:
     """An `HFRolloutWorker`'s sampler: every queued turn in one wave per `poll`."""
@@ -91,6 +96,9 @@ class HFTurns:
     def submit(self, key: int, prompt: list[int], max_tokens: int, seed: int | None) -> None:
         self._queue.append((key, prompt, max_tokens))
 
+    def abort(self) -> None:
+        self._queue.clear()
+
     def pending(self) -> int:
         return len(self._queue)
 
@@ -100,7 +108,7 @@ class HFTurns:
         for start in range(0, len(wave), size):
             part = wave[start:start + size]
             ids, mask = left_pad([prompt for _, prompt, _ in part], self.worker.tokenizer.pad_token_id)
-            tokens, alive, logprobs = self.worker._sample(ids, mask, self.greedy, self.temperature,
+            tokens, alive, logprobs = self.worker.sample_tokens(ids, mask, self.greedy, self.temperature,
                                                           max_new_tokens=max(room for _, _, room in part))
             for row, (key, _, room) in enumerate(part):
                 length = min(int(alive[row].sum()), room)
@@ -139,6 +147,18 @@ def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None
     ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
     prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]
     return loop.run(turns, prompts, [_env_row(rows, i) for i in range(len(rows))], seeds)
+
+
+def no_episodes(rows: Batch, weight_version: int) -> Batch:
+    """What generating episodes from no prompts gives: the rollout columns and the episode columns,
+    with no rows (a rank without a share, an empty refill round)."""
+    empty = torch.zeros((0, 0), dtype=torch.int64)
+    return no_rollouts(rows, weight_version).with_columns(**{
+        RESPONSE_ATTENTION: empty.clone(), ENV_SCORES: torch.zeros((0, 0)),
+        **{name: torch.zeros(0, dtype=torch.int64) for name in (AGENT_TURNS, AGENT_TOOL_OK, AGENT_TOOL_ERROR,
+                                                                 AGENT_TOOL_TIMEOUT)},
+        AGENT_ENV_S: torch.zeros(0), AGENT_TRUNCATION: np.empty(0, dtype=object),
+        AGENT_CONVERSATION: np.empty(0, dtype=object)})
 
 
 def episode_rows(rows: Batch, episodes: Sequence[Episode], tokenizer, weight_version: int) -> Batch:

@@ -40,7 +40,7 @@ from raygraph.models.loading import load_causal_lm, load_tokenizer
 from raygraph.models.logprobs import position_ids_from_mask, prefill, prompt_runs
 from raygraph.models.lora import LoraSpec, apply_lora
 from raygraph.workers import rollout_engine
-from raygraph.workers.agent_rollout import HFTurns, agent_loop, generate_episodes
+from raygraph.workers.agent_rollout import HFTurns, agent_loop, generate_episodes, no_episodes
 from raygraph.workers.distributed import default_device
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
@@ -126,6 +126,11 @@ class HFRolloutWorker:
     take_or_generate = rollout_engine.take_or_generate
     save_checkpoint, load_checkpoint = rollout_engine.save_checkpoint, rollout_engine.load_checkpoint
 
+    def close(self) -> None:
+        """Stop the agent loop's threads (multi-turn episodes); nothing else holds a resource."""
+        if self.agent is not None:
+            self.agent.shutdown()
+
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, batch: Batch, greedy: bool = False, n: int | None = None,
@@ -148,11 +153,11 @@ class HFRolloutWorker:
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
         if len(rows) == 0:
-            return no_rollouts(rows, self._weight_version)
+            return (no_rollouts if self.agent is None else no_episodes)(rows, self._weight_version)
         if self.agent is not None:
             return generate_episodes(self.agent, HFTurns(self, greedy, temperature), rows, [None] * len(rows),
                                      self._weight_version)
-        pieces = [self._sample(rows[PROMPT_IDS][i:i + self.micro_batch_size],
+        pieces = [self.sample_tokens(rows[PROMPT_IDS][i:i + self.micro_batch_size],
                                rows[PROMPT_MASK][i:i + self.micro_batch_size], greedy,
                                temperature or self.temperature)
                   for i in range(0, len(rows), self.micro_batch_size)]
@@ -166,7 +171,8 @@ class HFRolloutWorker:
                                             skip_special_tokens=True)
         return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool, temperature: float,
+    @torch.no_grad()
+    def sample_tokens(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool, temperature: float,
                 max_new_tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU;
         at most `max_new_tokens` tokens (default: the worker's)."""

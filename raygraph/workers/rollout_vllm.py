@@ -52,7 +52,7 @@ from raygraph.batch import (
 from raygraph.models.loading import load_tokenizer
 from raygraph.models.lora import LoraSpec
 from raygraph.workers import rollout_engine, vllm_compat
-from raygraph.workers.agent_rollout import VLLMTurns, agent_loop, generate_episodes
+from raygraph.workers.agent_rollout import VLLMTurns, agent_loop, generate_episodes, no_episodes
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 from raygraph.workers.vllm_adapter import AdapterSlot
@@ -174,7 +174,7 @@ class VLLMRolloutWorker:
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
         if len(rows) == 0:
-            return no_rollouts(rows, self._weight_version)
+            return (no_rollouts if self.agent is None else no_episodes)(rows, self._weight_version)
         ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
         prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]  # left padding dropped
         seeds = [None] * len(rows) if greedy else torch.randint(

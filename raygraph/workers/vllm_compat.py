@@ -64,7 +64,7 @@ from raygraph.errors import RoleFailed
 __all__ = [
     "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
     "watch_engine", "begin_weight_update", "build_engine", "finish_weight_update",
-    "add_token_request", "finished_requests", "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
+    "abort_requests", "add_token_request", "finished_requests", "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
     "sampling_params", "scale_logits", "shutdown", "sleep", "vllm_version", "wake_up",
 ]
 
@@ -187,6 +187,11 @@ def finished_requests(engine: Any) -> list[tuple[str, list[int], list[float]]]:
     """Run one engine step; `(request id, token ids, their log-probs)` of the requests it finished.
     Call it only while requests are queued (the step waits for the engine's output)."""
     return [(out.request_id, *_tokens_and_logprobs(out.outputs[0])) for out in engine.llm_engine.step() if out.finished]
+
+
+def abort_requests(engine: Any, request_ids: list[str]) -> None:
+    """Drop queued or running requests (a failed multi-turn run leaves none behind)."""
+    engine.llm_engine.abort_request(request_ids)
 
 
 class RolloutEngineDied(RoleFailed, RuntimeError):

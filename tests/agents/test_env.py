@@ -64,7 +64,8 @@ def test_builtin_environments_score_as_documented():
     reveal = RevealThenAnswerEnv(row)
     assert reveal.step("7") == ("4=", 0.0, False) and reveal.step("7") == (None, 1.0, True)
     tool = ToolAnswerEnv(row)
-    assert tool.step('<tool_call>{"name": "python_exec"}</tool_call>') == (None, 0.0, False)
+    from raygraph.agents.tools import ToolCall
+    assert tool.step("let me compute", tool_calls=[ToolCall("calculator", {"expression": "3+4"})]) == (None, 0.0, False)
     assert tool.step("So the answer is 7.") == (None, 1.0, True)
 
 

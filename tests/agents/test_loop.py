@@ -37,6 +37,9 @@ class ScriptedEngine:
     def pending(self):
         return len(self.queue)
 
+    def abort(self):
+        self.queue = []
+
     def poll(self):
         batch = self.queue if self.lock_step else self.queue[:1]
         self.queue = [] if self.lock_step else self.queue[1:]

@@ -55,6 +55,9 @@ class Replay:
     def pending(self):
         return len(self.queue)
 
+    def abort(self):
+        self.queue = []
+
     def poll(self):
         key = self.queue.pop(0)
         tokens = self.tok(self.turns[self.k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
@@ -83,7 +86,7 @@ def _episode_matches_template(tokenizer, tool_role="user", template_kwargs=None,
     loop = AgentLoop(tokenizer=tokenizer, stop_token_ids=[tokenizer.eos_token_id], env="test_turns_echo",
                      tools=list(tools), tool_role=tool_role, chat_template_kwargs=template_kwargs,
                      budgets=AgentBudgets(max_turns=3, max_new_tokens=64, max_total_tokens=2048, max_message_tokens=64))
-    kwargs = {**template_kwargs, **({"tools": loop.toolbox.schemas} if tools else {})}
+    kwargs = {**template_kwargs, **({"tools": loop.reactor.toolbox.schemas} if tools else {})}
     prompt_text = format_prompt(tokenizer, messages, True, kwargs)
     prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     (ep,) = loop.run(Replay(tokenizer, turns), [prompt], [{"uid": 0}], [0])
