@@ -299,8 +299,8 @@ def _data(cfg: RaygraphConfig) -> list[str]:
     if len(folders) > 1:
         problems.append(f"data.toy writes its files into one directory, but data.train_files and "
                         f"data.val_files are in {len(folders)}: {', '.join(sorted(folders))}")
-    if data.toy.task == "word_problems" and (data.format != "rl" or data.toy.task_args):
-        problems.append("data.toy.task=word_problems writes prompts for RL only (data.format=rl) and takes no "
+    if data.toy.task in ("word_problems", "tool_arith") and (data.format != "rl" or data.toy.task_args):
+        problems.append(f"data.toy.task={data.toy.task} writes prompts for RL only (data.format=rl) and takes no "
                         "data.toy.task_args")
     if data.format == "dpo" and Path(data.train_files[0]).name != "train_dpo.parquet":
         problems.append("data.toy writes its preference pairs to train_dpo.parquet; with data.format=dpo "

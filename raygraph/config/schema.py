@@ -100,10 +100,11 @@ class ModelConfig(Section):
 
 
 class ToyDataConfig(Section):
-    task: Literal["arith", "word_problems"] = Field(
+    task: Literal["arith", "word_problems", "tool_arith"] = Field(
         "arith", description="arith: 'a+b=' -> (a+b) mod 10 for the tiny demo model (raygraph.data.toy); "
         "word_problems: arithmetic word problems answered as '#### <n>' for a real instruct model "
-        "(raygraph.data.word_problems; task_args is not used).")
+        "(raygraph.data.word_problems); tool_arith: 3-digit x 2-digit products with a calculator tool, and a "
+        "warm start showing the call (raygraph.data.tool_arith). task_args is for arith only.")
     n_train: int = Field(80, ge=1, description="Training problems to generate (distinct from validation).")
     n_val: int = Field(20, ge=1, description="Held-out validation problems to generate; the default task "
                        "has 100 problems in all (task_args.max_operand raises that).")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from raygraph.config import to_yaml
 from raygraph.data.toy import write_toy_dataset
+from raygraph.data.tool_arith import write_tool_arith
 from raygraph.data.word_problems import write_word_problems
 from raygraph.errors import BadConfig, BadData, MissingInput
 from raygraph.models.tiny import build_tiny_lm, built_size
@@ -131,6 +132,8 @@ def _ensure_toy_data(toy, out_dir: Path, files: list[str]) -> None:
     log.info("writing toy dataset to %s", out_dir)
     if toy.task == "word_problems":
         write_word_problems(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed)
+    elif toy.task == "tool_arith":
+        write_tool_arith(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed)
     else:
         write_toy_dataset(out_dir, n_train=toy.n_train, n_val=toy.n_val, seed=toy.seed, **toy.task_args)
     stamp.write_text(json.dumps(wanted, indent=1))

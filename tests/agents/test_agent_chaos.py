@@ -1,5 +1,5 @@
-"""Chaos with episodes: the rollout+reward process dies in the middle of an episode of step 3
-(its environment kills it with SIGKILL); stage-level recovery starts that process alone, step 3's
+"""Chaos with episodes: the rollout+reward process dies in the middle of an episode of step 2
+(its environment kills it with SIGKILL); stage-level recovery starts that process alone, step 2's
 episodes run again from their start, every prompt is trained once (the ledger), and the final
 weights equal those of the same run never interrupted, bit for bit."""
 
@@ -16,7 +16,7 @@ from raygraph.config import load_config
 from raygraph.run.ledger import check_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 3
 
 DYING_ENV = '''
 import os
@@ -28,8 +28,8 @@ from raygraph.agents.builtin_envs import RetryWithFeedbackEnv
 LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
 
 
-class DieInStep3(RetryWithFeedbackEnv):
-    """retry_with_feedback; with kill=True the first second turn after step 2 is in the ledger
+class DieInStep2(RetryWithFeedbackEnv):
+    """retry_with_feedback; with kill=True the first second turn after step 1 is in the ledger
     kills its own process (the rollout+reward actor), mid-episode."""
 
     def __init__(self, row, kill: bool = False):
@@ -38,7 +38,7 @@ class DieInStep3(RetryWithFeedbackEnv):
 
     def step(self, response):
         if self.kill and self.turn == 1 and not MARKER.exists() and LEDGER.is_file() \\
-                and '"step": 2' in LEDGER.read_text():
+                and '"step": 1' in LEDGER.read_text():
             MARKER.write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
         return super().step(response)
@@ -54,7 +54,7 @@ def _cfg(tmp_path: Path, model: str, env: Path, kill: bool, run_name: str):
         f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.val_every=0", "trainer.warm_start=null",
         "checkpoint.keep_last=0", "checkpoint.save_hf=true", "logging.mlflow=false", "data.val_prompts=4",
         "trainer.resume=auto", "trainer.max_restarts=2", "placement.mode=disaggregated",
-        f"rollout.agent.env={env}:DieInStep3", f"rollout.agent.env_args={{kill: {str(kill).lower()}}}"])
+        f"rollout.agent.env={env}:DieInStep2", f"rollout.agent.env_args={{kill: {str(kill).lower()}}}"])
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -72,7 +72,7 @@ def test_a_rollout_rank_killed_mid_episode_reruns_its_step_and_changes_nothing(t
     summary = run(_cfg(tmp_path, tiny_model_path, env, True, "chaos"))
     assert marker.is_file() and summary.steps_done == STEPS
     records = [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["stage", "stage"] and records[0]["failed_step"] == 3
+    assert [r["kind"] for r in records] == ["stage", "stage"] and records[0]["failed_step"] == 2
     cfg = _cfg(tmp_path, tiny_model_path, env, True, "chaos")
     from raygraph.batch import UID
     from raygraph.run.feed import StepData
