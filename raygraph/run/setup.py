@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raygraph.config import to_yaml
-from raygraph.data.toy import write_toy_dataset
 from raygraph.data.tool_arith import write_tool_arith
+from raygraph.data.toy import write_toy_dataset
 from raygraph.data.word_problems import write_word_problems
 from raygraph.errors import BadConfig, BadData, MissingInput
 from raygraph.models.tiny import build_tiny_lm, built_size
