@@ -135,7 +135,7 @@ def test_bad_references_name_what_is_wrong(tmp_path):
                               reward={"function": f"{tmp_path}/absent.py:score"}))
     text = "\n".join(err.value.problems)
     assert "policy loss" in text and "does not accept old_logprobs" in text
-    assert "has no function 'nosuch'; it defines: centred, half_reinforce, length_reward, wrong_loss" in text
+    assert "has no function named 'nosuch'; it defines: centred, half_reinforce, length_reward, wrong_loss" in text
     assert "absent.py' does not exist" in text
 
 

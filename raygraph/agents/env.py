@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raygraph.algos.user_code import UserCodeError, import_plugin, is_code_ref
+from raygraph.algos.user_code import UserCodeError, is_code_ref, load_attribute
 
 __all__ = ["ENVIRONMENTS", "EnvContractError", "EnvStep", "as_env_step", "check_env_args", "load_env",
            "register_env"]
@@ -78,17 +78,11 @@ def load_env(ref: str) -> type:
             module, _, attr = entry.partition(":")
             entry = getattr(importlib.import_module(module), attr)
         return entry
-    target, _, attr = ref.rpartition(":")
-    try:
-        module = import_plugin(target)
-    except UserCodeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - user code: any import-time error is reported as such
-        raise EnvContractError(f"{target!r} fails to import: {type(exc).__name__}: {exc}") from exc
-    cls = getattr(module, attr, None)
-    if not inspect.isclass(cls) or not callable(getattr(cls, "step", None)):
-        raise EnvContractError(f"{ref!r} is not an environment class with a step(response) method")
-    return cls
+    return load_attribute(ref, _is_env_class, "environment class with a step(response) method", EnvContractError)
+
+
+def _is_env_class(value: object) -> bool:
+    return inspect.isclass(value) and callable(getattr(value, "step", None))
 
 
 def check_env_args(cls: type, env_args: Mapping[str, Any]) -> list[str]:

@@ -162,6 +162,8 @@ class AgentLoop:
         if self.env_timeout_s is None:
             return None
         begun = [started[ep.index] for ep in waiting.values() if ep.index in started]
+        # none begun: they wait for a thread, which a hung reaction may hold without waking `wait`;
+        # look again shortly to start their clocks
         return max(min(begun) + self.env_timeout_s - time.monotonic(), 0.0) if begun else 0.05
 
     @staticmethod

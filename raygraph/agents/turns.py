@@ -14,14 +14,12 @@ template's end-of-turn, e.g. `<|im_end|>`), that text is dropped (the model alre
 if the turn was cut by a length budget, it is kept, so every turn is closed the way the template
 closes it.
 
-`template_rewrites_history` tells whether the template renders the assistant turn differently once
-more messages follow (e.g. templates that drop earlier reasoning): raygraph still trains the exact
-stream; the check is for users who want to know what their template does.
+A template that renders the assistant turn differently once more messages follow (e.g. one that
+drops earlier reasoning) cannot change what is trained either: only the appended part is rendered.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +45,7 @@ class TurnTemplate:
         self.tokenizer = tokenizer
         self.kwargs = dict(chat_template_kwargs or {})
         self.stop_texts = {i: tokenizer.decode([i]) for i in stop_token_ids}
+        self.appended_text([{"role": "user", "content": _USER}], None)   # fails now, not mid-episode
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
@@ -57,6 +56,10 @@ class TurnTemplate:
         unless the model produced it, `messages` rendered, then the next assistant header."""
         full = self._render([{"role": "user", "content": _USER}, {"role": "assistant", "content": _MARK},
                              *messages], generation_prompt=True)
+        if _MARK not in full:
+            raise ValueError("the chat template does not show an assistant turn's text once more messages follow "
+                             "it, so the end of a model turn cannot be found; multi-turn episodes need a template "
+                             "that keeps past assistant turns (set model.tokenizer_path to a tokenizer with one)")
         after = full[full.index(_MARK) + len(_MARK):]
         stop_text = self.stop_texts.get(last_token)
         if stop_text and after.startswith(stop_text):
@@ -66,23 +69,3 @@ class TurnTemplate:
     def appended_tokens(self, messages: Sequence[dict], last_token: int | None) -> list[int]:
         """`appended_text` tokenized on its own (no special tokens added)."""
         return self.tokenizer(self.appended_text(messages, last_token), add_special_tokens=False)["input_ids"]
-
-    @functools.cached_property
-    def closing_text(self) -> str:
-        """What the template puts after a final assistant turn (its end of turn), e.g. `<|im_end|>\\n`."""
-        full = self._render([{"role": "user", "content": _USER}, {"role": "assistant", "content": _MARK}],
-                            generation_prompt=False)
-        return full[full.index(_MARK) + len(_MARK):]
-
-    def template_rewrites_history(self, messages: Sequence[dict]) -> bool:
-        """Whether rendering `messages` (a whole conversation) with the template does not start with
-        the rendering of its first k messages, for some k ending in an assistant turn."""
-        messages = list(messages)
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant" or k == len(messages) - 1:
-                continue
-            head = self._render(messages[:k + 1], generation_prompt=False)
-            cut = head.rindex(m["content"]) + len(m["content"]) if m["content"] else len(head)
-            if not self._render(messages, generation_prompt=False).startswith(head[:cut]):
-                return True
-        return False

@@ -21,11 +21,12 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from raygraph.errors import ConfigInvalid
 
-__all__ = ["UserCodeError", "is_code_ref", "absolute_ref", "import_plugin", "import_plugins", "load_function",
-           "check_keywords"]
+__all__ = ["UserCodeError", "is_code_ref", "absolute_ref", "import_plugin", "import_plugins", "load_attribute",
+           "load_function", "check_keywords"]
 
 
 class UserCodeError(ConfigInvalid, ValueError):
@@ -79,23 +80,30 @@ def import_plugins(refs: Iterable[str]) -> list[ModuleType]:
     return [import_plugin(ref) for ref in refs]
 
 
-def load_function(ref: str) -> Callable:
-    """The function named by `file.py:fn` or `package.module:fn` (its file imported as a plugin)."""
+def load_attribute(ref: str, fits: Callable[[object], bool], kind: str,
+                   error: type[UserCodeError] = UserCodeError) -> Any:
+    """The attribute named by `file.py:name` or `package.module:name` (its file imported as a
+    plugin), when `fits(attribute)`; otherwise `error` naming what the module defines of `kind`."""
     target, _, attr = ref.rpartition(":")
     if not target or not attr:
-        raise UserCodeError(f"{ref!r} is not a reference of the form file.py:function or module:function")
+        raise error(f"{ref!r} is not a reference of the form file.py:{kind} or module:{kind}")
     try:
         module = import_plugin(target)
     except UserCodeError:
         raise
     except Exception as exc:  # noqa: BLE001 - user code: any import-time error is reported as such
-        raise UserCodeError(f"{target!r} fails to import: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+        raise error(f"{target!r} fails to import: {type(exc).__name__}: {exc}") from exc
+    value = getattr(module, attr, None)
+    if not fits(value):
+        public = sorted(n for n, v in vars(module).items() if fits(v) and not n.startswith("_")
                         and getattr(v, "__module__", None) == module.__name__)
-        raise UserCodeError(f"{target!r} has no function {attr!r}; it defines: {', '.join(public) or 'none'}")
-    return fn
+        raise error(f"{target!r} has no {kind} named {attr!r}; it defines: {', '.join(public) or 'none'}")
+    return value
+
+
+def load_function(ref: str) -> Callable:
+    """The function named by `file.py:fn` or `package.module:fn` (its file imported as a plugin)."""
+    return load_attribute(ref, callable, "function")
 
 
 def check_keywords(fn: Callable, keywords: Sequence[str], what: str) -> None:

@@ -29,7 +29,7 @@ def test_environments_load_by_name_or_reference_with_clear_errors(tmp_path):
     assert as_env_step(cls({}, target=3).step("3"), cls) == EnvStep(None, 1.0, True)
     with pytest.raises(EnvContractError, match="did you mean 'retry_with_feedback'"):
         load_env("retry_with_feedbak")
-    with pytest.raises(EnvContractError, match="is not an environment class with a step"):
+    with pytest.raises(EnvContractError, match="has no environment class with a step.response. method named 'nothing'; it defines: Guess"):
         load_env(f"{env_file}:nothing")
 
 

@@ -76,7 +76,16 @@ class Echo:
         return f"observation {self.k}", 0.0, self.k >= 3
 
 
-def _episode_matches_template(tokenizer, tool_role="user", template_kwargs=None, tools=()):
+def _closing_text(tokenizer, kwargs: dict) -> str:
+    """What the template writes after a final assistant turn (its end of turn), e.g. `<|im_end|>\\n`."""
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "U"}, {"role": "assistant", "content": "MARK"}],
+                                         tokenize=False, add_generation_prompt=False, **kwargs)
+    return full[full.index("MARK") + len("MARK"):]
+
+
+def _run_episode(tokenizer, tools=(), tool_role="tool", template_kwargs=None):
+    """Three replayed turns with an observation after the first two: (episode, prompt ids,
+    conversation as messages, template kwargs)."""
     from raygraph.agents.env import register_env
 
     register_env("test_turns_echo", Echo)
@@ -92,14 +101,44 @@ def _episode_matches_template(tokenizer, tool_role="user", template_kwargs=None,
     (ep,) = loop.run(Replay(tokenizer, turns), [prompt], [{"uid": 0}], [0])
     conversation = messages + [m for k, text in enumerate(turns) for m in (
         {"role": "assistant", "content": text}, *([{"role": "user", "content": f"observation {k + 1}"}] if k < 2 else []))]
+    return ep, prompt, conversation, kwargs
+
+
+def _episode_matches_template(tokenizer, tools=(), tool_role="tool", template_kwargs=None):
+    ep, prompt, conversation, kwargs = _run_episode(tokenizer, tools, tool_role, template_kwargs)
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
     # the stream is the rendering; only after the last turn the template writes its end of turn
     # (or, like the tiny one, nothing) where the model wrote its eos
     assert ep.tokens[-1] == tokenizer.eos_token_id
     streamed = tokenizer.decode(prompt + ep.tokens[:-1])
     assert rendered.startswith(streamed), (rendered, streamed)
-    assert rendered[len(streamed):] == TurnTemplate(tokenizer, kwargs).closing_text
+    assert rendered[len(streamed):] == _closing_text(tokenizer, kwargs)
     return ep
+
+
+def test_a_template_that_rewrites_history_does_not_change_the_trained_stream():
+    # this template upper-cases earlier assistant turns (as templates that drop past reasoning change them)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>"
+                         "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'] | upper }}"
+                         "{% else %}{{ m['content'] }}{% endif %}"
+                         "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    ep, prompt, conversation, _ = _run_episode(tok)
+    assert "LET ME THINK" in tok.apply_chat_template(conversation, tokenize=False)
+    assert tok.decode(prompt + ep.tokens) == (
+        "<|user|>What is 12 + 30?<|end|><|assistant|>Let me think<|end|><|user|>observation 1<|end|><|assistant|>"
+        "It is 42<|end|><|user|>observation 2<|end|><|assistant|>42<|end|>")
+    assert [t for t, m in zip(ep.tokens, ep.mask) if m] == tok("Let me think<|end|>It is 42<|end|>42<|end|>",
+                                                              add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_hides_past_turns_is_refused_before_any_episode():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>"
+                         "{% if m['role'] == 'assistant' and not loop.last %}x{% else %}{{ m['content'] }}{% endif %}"
+                         "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(ValueError, match="does not show an assistant turn's text once more messages follow"):
+        TurnTemplate(tok, stop_token_ids=[tok.eos_token_id])
 
 
 def test_tiny_template_stream_equals_the_rendered_conversation():
@@ -124,14 +163,3 @@ def test_qwen2_style_template_groups_tool_results_and_stays_a_prefix(smollm2_tok
     assert text == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response>" \
                    "<|im_end|>\n<|im_start|>assistant\n"
     _episode_matches_template(tok, tools=[f"{tools}:add"])
-
-
-def test_a_template_that_rewrites_history_is_detected():
-    tok = build_tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>"
-                         "{% if m['role'] == 'assistant' and not loop.last %}x{% else %}{{ m['content'] }}{% endif %}"
-                         "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    conversation = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"},
-                    {"role": "user", "content": "3"}, {"role": "assistant", "content": "4"}]
-    assert TurnTemplate(tok).template_rewrites_history(conversation)
-    assert not TurnTemplate(build_tiny_tokenizer()).template_rewrites_history(conversation)
