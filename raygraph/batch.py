@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raygraph.errors import MissingColumn
+
 __all__ = [
     "Batch",
     "PROMPT_IDS", "PROMPT_MASK", "RESPONSES", "RESPONSE_MASK", "RESPONSE_ATTENTION", "RESPONSE_LENGTH",
@@ -139,7 +141,7 @@ class Batch:
             return self.tensors[name]
         if name in self.non_tensors:
             return self.non_tensors[name]
-        raise KeyError(f"Batch has no column {name!r}; it has {sorted(self.columns())}")
+        raise MissingColumn(f"Batch has no column {name!r}; it has {sorted(self.columns())}")
 
     def columns(self) -> list[str]:
         return [*self.tensors, *self.non_tensors]

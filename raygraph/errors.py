@@ -13,7 +13,7 @@ catches those still works.
 from __future__ import annotations
 
 __all__ = ["RaygraphError", "ConfigInvalid", "DataInvalid", "RoleFailed", "CheckpointInvalid", "RewardFailed",
-           "RecoveryFailed", "BadConfig", "BadData", "MissingInput", "EXIT_FAILED", "EXIT_BAD_INPUT"]
+           "RecoveryFailed", "BadConfig", "BadData", "MissingInput", "MissingColumn", "EXIT_FAILED", "EXIT_BAD_INPUT"]
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
@@ -62,3 +62,11 @@ class BadData(DataInvalid, ValueError):
 
 class MissingInput(DataInvalid, FileNotFoundError):
     """A file or directory the config names does not exist."""
+
+
+class MissingColumn(ConfigInvalid, KeyError):
+    """A step needs a batch column that no earlier step of the workflow's graph made (a method not
+    bound, or bound in the wrong order); the message names the column and what the batch has."""
+
+    def __str__(self) -> str:   # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

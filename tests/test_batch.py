@@ -68,3 +68,14 @@ def test_token_budget_micro_batches_pack_rows_and_trim_padding():
     assert micros[2][RESPONSE_MASK].tolist() == [[1]]
     assert Batch.concat(micros)["advantages"].tolist() == batch["advantages"].tolist()   # widths restored
     assert [len(m) for m in batch.micro_batches(max_rows=3)] == [3, 1]                   # rows only
+
+
+def test_a_missing_column_is_one_error_with_a_plain_message():
+    from raygraph.errors import ConfigInvalid, MissingColumn
+
+    batch = Batch({"a": torch.zeros(2, 1)}, {UID: np.array(["x", "y"], dtype=object)})
+    with pytest.raises(MissingColumn) as caught:
+        batch["advantages"]
+    assert isinstance(caught.value, KeyError) and isinstance(caught.value, ConfigInvalid)
+    assert caught.value.exit_code == 2
+    assert str(caught.value) == "Batch has no column 'advantages'; it has ['a', 'uid']"

@@ -2,7 +2,7 @@
 imports included, so none can hide a cycle).
 
     cli, check_env  >  run  >  config  >  workflows  >  graph  >  cluster  >  workers
-                    >  models | data | rewards  >  algos  >  batch | errors
+                    >  models | data | rewards  >  algos  >  batch  >  errors
 
 Modules of one layer may import each other; models, data and rewards are separate layers of the
 same height that do not import one another.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {  # package (under raygraph) -> height
-    "batch": 0, "errors": 0, "algos": 1, "models": 2, "data": 2, "rewards": 2, "agents": 3, "workers": 4, "cluster": 5,
+    "errors": -1, "batch": 0, "algos": 1, "models": 2, "data": 2, "rewards": 2, "agents": 3, "workers": 4, "cluster": 5,
     "graph": 6, "workflows": 7, "config": 8, "run": 9, "entry": 10,   # entry: cli.py, check_env.py, __init__.py
 }
 

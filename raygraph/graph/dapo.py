@@ -35,6 +35,7 @@ from raygraph.batch import (
     extra_prompt_batch,
     last_valid_index,
 )
+from raygraph.errors import MissingColumn
 
 __all__ = ["overlong_penalty", "mask_truncated", "filter_groups", "group_values", "refill_prompts", "add_round",
            "shaping_metrics"]
@@ -98,7 +99,7 @@ def group_values(batch: Batch, metric: str) -> torch.Tensor:
         return batch[TOKEN_LEVEL_SCORES].float().sum(-1)
     column = f"{REWARD_EXTRA_PREFIX}{metric}"
     if column not in batch:
-        raise KeyError(f"dynamic sampling filters on {metric!r}, but the reward gives no {column!r} "
+        raise MissingColumn(f"dynamic sampling filters on {metric!r}, but the reward gives no {column!r} "
                        f"(columns: {batch.columns()}); use metric 'score'")
     return batch[column].float()
 

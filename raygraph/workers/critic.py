@@ -26,6 +26,7 @@ from raygraph.batch import (
     pad_right,
     response_attention,
 )
+from raygraph.errors import MissingColumn
 from raygraph.models.logprobs import sequence_inputs
 from raygraph.models.value_head import ValueModel
 from raygraph.workers.distributed import dummy_row, lockstep, rank
@@ -108,7 +109,7 @@ class CriticWorker:
         needed = [*SEQUENCE_COLUMNS, VALUES, RETURNS]
         missing = [c for c in needed if c not in batch and c != RESPONSE_ATTENTION]
         if missing:
-            raise KeyError(f"CriticWorker.update needs columns {missing}; the batch has {batch.columns()}")
+            raise MissingColumn(f"CriticWorker.update needs columns {missing}; the batch has {batch.columns()}")
         metrics = self.trained.train(batch.select_columns(needed), self._value_loss, mask_key=RESPONSE_MASK,
                                      loss_agg=self.loss_agg)
         return {f"critic/{k}": v for k, v in metrics.items()}

@@ -39,6 +39,7 @@ from raygraph.batch import (
     Batch,
     pad_right,
 )
+from raygraph.errors import MissingColumn
 from raygraph.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from raygraph.models.logprobs import forward_response, token_logprobs_of_sequence, use_packed
 from raygraph.models.lora import LoraSpec
@@ -194,7 +195,7 @@ class PolicyWorker:
         if OLD_LOGPROBS in batch:
             needed.append(OLD_LOGPROBS)
         elif self.ppo_epochs > 1 or first_step < len(batch):
-            raise KeyError(f"PolicyWorker.update needs {OLD_LOGPROBS!r}: this update takes "
+            raise MissingColumn(f"PolicyWorker.update needs {OLD_LOGPROBS!r}: this update takes "
                            f"{self.ppo_epochs} epoch(s) x {-(-len(batch) // first_step)} mini-batch(es), and "
                            "after the first optimizer step the policy is no longer the one that sampled; "
                            "bind policy.logprobs (actor.old_logprobs=recompute) or use the rollout's "
@@ -205,7 +206,7 @@ class PolicyWorker:
             needed.append(ROLLOUT_LOGPROBS)
         missing = [c for c in needed if c not in batch and c != RESPONSE_ATTENTION]
         if missing:
-            raise KeyError(f"PolicyWorker.update needs columns {missing}; the batch has {batch.columns()}")
+            raise MissingColumn(f"PolicyWorker.update needs columns {missing}; the batch has {batch.columns()}")
         self._first_step_rows, self._rollout_gap = first_step, 0.0
         metrics = self._run(batch.select_columns(needed), self._ppo_loss, RESPONSE_MASK, self.ppo_epochs,
                             self.loss_agg, defaults={"kl_loss": 0.0})

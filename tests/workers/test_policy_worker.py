@@ -18,6 +18,7 @@ from raygraph.batch import (
     WEIGHT_VERSION,
     Batch,
 )
+from raygraph.errors import MissingColumn
 from raygraph.workers.optim import lr_factor
 from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
@@ -105,7 +106,7 @@ def test_one_step_update_without_old_logprobs_equals_the_recomputed_pass(tiny_mo
     for k in w_full:
         torch.testing.assert_close(w_skip[k], w_full[k], atol=1e-6, rtol=0)
     two_steps = _policy(tiny_model_path, mini_batch_size=3, **kw)
-    with pytest.raises(KeyError, match="1 epoch\\(s\\) x 2 mini-batch.*actor.old_logprobs=recompute"):
+    with pytest.raises(MissingColumn, match="1 epoch\\(s\\) x 2 mini-batch.*actor.old_logprobs=recompute"):
         two_steps.update(batch.select_columns([c for c in batch.columns() if c != OLD_LOGPROBS]))
 
 
