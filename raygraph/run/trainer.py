@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -98,114 +99,166 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
     data = StepData.load(cfg, workflow.data_format)
     specs = role_specs(cfg, workflow.roles)
     step_graph, val_graph = build_graphs(cfg, workflow)   # before any actor starts: names checked
-    extra_batches = graph_facts(step_graph).extra_prompt_batches   # prompt batches the graph may read beyond its own
     start_ray(cfg, address)
     stop.install()  # ray.init replaced the SIGTERM handler
     print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
-    recoveries.run_dir, ledger = ctx.run_dir, SampleLedger(ctx.run_dir)
+    recoveries.run_dir = ctx.run_dir
     plan = placement_plan(cfg, workflow.roles)
     roles = build_roles(run_name=ctx.ray_name, pools=plan.pools, specs=specs, colocate=plan.fused,
                         weight_sync=plan.weight_sync, placement_timeout_s=cfg.placement.placement_timeout_s,
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
                         bucket_bytes=cfg.placement.weight_bucket_mb << 20,
                         weight_sync_verify=cfg.placement.weight_sync_verify, plugins=cfg.plugins)
-    tracker = runner = None
-    status, steps_done, stopped = "FAILED", 0, False
     kl_cfg = cfg.algorithm.kl_in_reward
-    kl_ctl = make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon)
-    consistent, version, step = None, 0, 0  # consistent: the last step whose update, sync and KL update all finished
+    loop = _Loop(cfg, ctx, roles, data, recoveries, SampleLedger(ctx.run_dir),
+                 make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon))
+    status = "FAILED"
     try:
-        start_step, version = resume.restore(ctx.resume, roles, data, kl_ctl, cfg.trainer.seed)
-        ledger.resumed_from(start_step, "recovery" if recoveries.count else "start")
-        recoveries.resumed(start_step)
-        if start_step == 0 and cfg.trainer.warm_start is not None:
+        loop.start(step_graph, val_graph, specs)
+        status = "KILLED" if loop.train(stop) else "FINISHED"
+    except Exception as exc:
+        raise loop.failed(exc) from exc
+    finally:
+        loop.close(status)
+    summary = RunSummary(ctx.run_dir, loop.steps_done, loop.val_start, loop.val_end, time.perf_counter() - started,
+                         loop.stopped, stop.signum if loop.stopped else None)
+    _print_summary(summary)
+    return summary
+
+
+@dataclass
+class _Loop:
+    """One attempt's training loop: what it works with, and where it is (what a failure, a stop or
+    the summary needs to know)."""
+
+    cfg: Any
+    ctx: Any
+    roles: Any
+    data: StepData
+    recoveries: Recoveries
+    ledger: SampleLedger
+    kl_ctl: Any
+    tracker: Tracker | None = None
+    runner: StageRunner | None = None
+    dumps: SampleDumps | None = None
+    val_graph: Any = None
+    extra_batches: int = 0  # prompt batches the step graph may read beyond its own
+    lookahead: int = 0      # the next step's prompt shares handed out early (max_staleness)
+    version: int = 0        # the rollout's weight version
+    step: int = 0           # the step running (or the last one run)
+    steps_done: int = 0     # the last step logged
+    saved: int = 0          # the last step checkpointed
+    consistent: int | None = None  # the last step whose update, sync and KL update all finished
+    metrics: dict = field(default_factory=dict)   # the last step's
+    stopped: bool = False
+    val_start: float | None = None
+    val_end: float | None = None
+
+    def start(self, step_graph, val_graph, specs) -> None:
+        """Resume or warm-start, open tracking, build the step runner, validate before step 1."""
+        cfg, ctx, roles = self.cfg, self.ctx, self.roles
+        self.saved, self.version = resume.restore(ctx.resume, roles, self.data, self.kl_ctl, cfg.trainer.seed)
+        self.steps_done = self.saved
+        self.ledger.resumed_from(self.saved, "recovery" if self.recoveries.count else "start")
+        self.recoveries.resumed(self.saved)
+        if self.saved == 0 and cfg.trainer.warm_start is not None:
             run_warm_start(cfg, roles)
-        tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
-                          mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
-                          experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
-                          console=cfg.logging.console, log_every=cfg.logging.log_every, start_step=start_step)
-        if tracker.mlflow_run_id:
-            print(f"[raygraph] MLflow run {tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
+        self.tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
+                               mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
+                               experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
+                               console=cfg.logging.console, log_every=cfg.logging.log_every, start_step=self.saved)
+        if self.tracker.mlflow_run_id:
+            print(f"[raygraph] MLflow run {self.tracker.mlflow_run_id} at {ctx.mlflow_uri}", flush=True)
         # profile: interpreted and unfused, so that every stage is a Ray task in the timeline (a
         # compiled graph runs as one long task per actor, a fused plan as one task per step)
         mode = "interpreted" if cfg.trainer.profile else cfg.trainer.executor
-        runner = StageRunner(  # restarts a dead rollout/reward actor alone and reruns its step
+        self.runner = StageRunner(  # restarts a dead rollout/reward actor alone and reruns its step
             lambda: Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile,
-                             timeout_s=cfg.trainer.step_timeout_s), roles, specs, recoveries, ctx.run_dir,
+                             timeout_s=cfg.trainer.step_timeout_s), roles, specs, self.recoveries, ctx.run_dir,
             enabled=mode == "interpreted" and cfg.trainer.max_restarts > 0,
             timeout_s=cfg.placement.weight_sync_timeout_s + 10, placement_timeout_s=cfg.placement.placement_timeout_s)
-        lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0  # the next step's prompts
-        dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
-
-        def validate(at_step: int) -> dict[str, float]:
-            return run_validation(val_graph, roles, data.val_prompts, step=at_step, dumps=dumps, tracker=tracker,
-                                  timeout_s=cfg.trainer.step_timeout_s)
-
-        val_start = validate(0).get("val/accuracy") if start_step == 0 else None
+        self.extra_batches = graph_facts(step_graph).extra_prompt_batches
+        self.lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0
+        self.dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
+        self.val_graph = val_graph
+        self.val_start = self._validate(0).get("val/accuracy") if self.saved == 0 else None
+        self.val_end = self.val_start
         roles.take_step_stats()  # start the per-stage clocks at the first step
-        val_end = val_start
-        health = UpdateHealth()
-        saved = start_step
-        for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+
+    def train(self, stop: StopFlag) -> bool:
+        """Every remaining step (validating and checkpointing as configured); whether a signal stopped it."""
+        health, total = UpdateHealth(), self.cfg.trainer.total_steps
+        for step in range(self.saved + 1, total + 1):
             if stop.requested:  # the signal came after the last step's check, or before any step
-                if steps_done > saved:
-                    resume.save(ctx, roles, steps_done, data, kl_ctl, version)
-                stopped = True
-                break
-            t0 = time.perf_counter()
-            consistent = None  # from here the sampler, then the roles, move on to this step
-            prompts = data.next_prompts(step=step, kl_coef=kl_ctl.value, lookahead_shares=lookahead,
-                                        extra_batches=extra_batches)
-            prompts.meta[step_metrics.DUMP_ROWS] = dumps.rows_for(step)
-            outputs, report = split_report(runner.run(prompts, step=step, version=version))
-            metrics = merge_outputs(outputs)
-            ledger.trained(step, data.settle(prompts, report.prompt_batches))
-            metrics.update(recoveries.take_metrics())
-            if report.records:
-                tracker.log_samples(dumps.write(step, report.records, "train"), report.records)
-            metrics["timing/step_s"] = time.perf_counter() - t0
-            metrics.update(roles.take_step_stats())
-            metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
-            version = version if report.weight_version is None else report.weight_version
-            if report.kl_in_reward is not None:   # the graph computes it whenever the controller adapts
-                kl_ctl.update(report.kl_in_reward, len(prompts) * cfg.rollout.n)
-            consistent = step
+                if self.steps_done > self.saved:
+                    self._save(self.steps_done)
+                self.stopped = True
+                return True
+            self.step = step
+            metrics = self._one_step(step)
             health.observe(step, metrics)
             stopping = stop.requested  # read once: a signal may land anywhere in this iteration
-            last = step == cfg.trainer.total_steps
-            if last or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0):
-                metrics.update(validate(step))
-                val_end = metrics.get("val/accuracy", val_end)
-            tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
-            steps_done = step
-            if last or stopping or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                resume.save(ctx, roles, step, data, kl_ctl, version)
-                saved = step
+            last = step == total
+            if last or (self.cfg.trainer.val_every and step % self.cfg.trainer.val_every == 0):
+                metrics.update(self._validate(step))
+                self.val_end = metrics.get("val/accuracy", self.val_end)
+            self.tracker.log(step, metrics, force=last or stopping or "val/accuracy" in metrics)
+            self.steps_done = step
+            if last or stopping or (self.cfg.trainer.save_every and step % self.cfg.trainer.save_every == 0):
+                self._save(step)
             if stopping:
-                stopped = True
-                break
-        if not stopped:
-            health.check()
-        status = "KILLED" if stopped else "FINISHED"
-    except Exception as exc:
-        dead = find_dead_actors(roles, exc)  # a dead rank's state is gone: no checkpoint can be consistent
+                self.stopped = True
+                return True
+        health.check()
+        return False
+
+    def _one_step(self, step: int) -> dict[str, float]:
+        """Run the step graph on the step's prompts; its metrics (the report's facts applied)."""
+        t0 = time.perf_counter()
+        self.consistent = None  # from here the sampler, then the roles, move on to this step
+        prompts = self.data.next_prompts(step=step, kl_coef=self.kl_ctl.value, lookahead_shares=self.lookahead,
+                                         extra_batches=self.extra_batches)
+        prompts.meta[step_metrics.DUMP_ROWS] = self.dumps.rows_for(step)
+        outputs, report = split_report(self.runner.run(prompts, step=step, version=self.version))
+        self.metrics = metrics = merge_outputs(outputs)
+        self.ledger.trained(step, self.data.settle(prompts, report.prompt_batches))
+        metrics.update(self.recoveries.take_metrics())
+        if report.records:
+            self.tracker.log_samples(self.dumps.write(step, report.records, "train"), report.records)
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        metrics.update(self.roles.take_step_stats())
+        metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
+        self.version = self.version if report.weight_version is None else report.weight_version
+        if report.kl_in_reward is not None:   # the graph computes it whenever the controller adapts
+            self.kl_ctl.update(report.kl_in_reward, len(prompts) * self.cfg.rollout.n)
+        self.consistent = step
+        return metrics
+
+    def _validate(self, at_step: int) -> dict[str, float]:
+        return run_validation(self.val_graph, self.roles, self.data.val_prompts, step=at_step, dumps=self.dumps,
+                              tracker=self.tracker, timeout_s=self.cfg.trainer.step_timeout_s)
+
+    def _save(self, step: int) -> None:
+        resume.save(self.ctx, self.roles, step, self.data, self.kl_ctl, self.version)
+        self.saved = step
+
+    def failed(self, exc: Exception) -> _AttemptFailed:
+        """Checkpoint what is consistent (unless a rank died with its state), and say how it failed."""
+        dead = find_dead_actors(self.roles, exc)  # a dead rank's state is gone: no checkpoint can be consistent
         if not dead:
-            unlogged = metrics if consistent is not None and consistent > steps_done else None
-            resume.save_after_failure(ctx, roles, data, kl_ctl, version, step=consistent, tracker=tracker,
-                                      metrics=unlogged)
-        raise _AttemptFailed(exc, step, dead, ctx.run_name, lost_nodes(roles)) from exc
-    finally:
-        if cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
-            ray.timeline(filename=str(ctx.run_dir / "timeline.json"))
-        if runner is not None:
-            runner.teardown()
-        roles.shutdown()
-        if tracker is not None:
-            tracker.close(status)
-    summary = RunSummary(ctx.run_dir, steps_done, val_start, val_end, time.perf_counter() - started, stopped,
-                         stop.signum if stopped else None)
-    _print_summary(summary)
-    return summary
+            unlogged = self.metrics if self.consistent is not None and self.consistent > self.steps_done else None
+            resume.save_after_failure(self.ctx, self.roles, self.data, self.kl_ctl, self.version,
+                                      step=self.consistent, tracker=self.tracker, metrics=unlogged)
+        return _AttemptFailed(exc, self.step, dead, self.ctx.run_name, lost_nodes(self.roles))
+
+    def close(self, status: str) -> None:
+        if self.cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
+            ray.timeline(filename=str(self.ctx.run_dir / "timeline.json"))
+        if self.runner is not None:
+            self.runner.teardown()
+        self.roles.shutdown()
+        if self.tracker is not None:
+            self.tracker.close(status)
 
 
 def _print_summary(s: RunSummary) -> None:
