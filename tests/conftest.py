@@ -26,18 +26,29 @@ FIRST_CHAR_ID, VOCAB = 6, 93  # ids of the tiny tokenizer's ordinary characters
 
 _OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py",   # tests that start a Ray cluster of their own
             "tests/cluster/test_node_loss.py")
+# Modules by falling cost (measured with --durations): under xdist the longest start first, so the
+# workers finish together. A module missing here runs after these; a stale order costs balance only.
+_SLOWEST_FIRST: tuple[str, ...] = ()
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Mark every test that needs Ray `ray` (`make test-fast` leaves them out); skip `gpu` tests
-    without CUDA."""
+    without CUDA. For `pytest -n N --dist loadgroup` (`make test`): a module's tests stay on one
+    worker (its module fixtures, e.g. reference runs, are computed once), tests that start a Ray
+    cluster of their own run one after another, and the slowest modules are handed out first."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         path = item.path.as_posix()
-        if "ray_local" in item.fixturenames or any(part in path for part in _OWN_RAY):
+        own_ray = any(part in path for part in _OWN_RAY)
+        if "ray_local" in item.fixturenames or own_ray:
             item.add_marker(pytest.mark.ray)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+        item.add_marker(pytest.mark.xdist_group("own_ray" if own_ray else item.path.relative_to(config.rootpath)
+                                                .as_posix()))
+    rank = {part: k for k, part in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: next((k for part, k in rank.items() if part in item.path.as_posix()), len(rank)))
 
 
 @pytest.fixture(scope="session")
