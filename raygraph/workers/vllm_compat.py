@@ -135,13 +135,46 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
         extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in _LORA_RANKS if r >= max_lora_rank))
     if current_platform.is_cpu():   # seeded rows + a chunked prefill kill the CPU engine (module docstring)
         extra["enable_chunked_prefill"] = False
-    return LLM(
+    llm = LLM(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
         enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager,
         logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=_EXTENSION,
         **extra,
     )
+    return llm
+
+
+def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
+    """vLLM 0.32's offline client (`SyncMPClient`) learns of a dead engine core process from a
+    monitor thread, which marks it dead and stops the output thread without a word: a `generate`
+    already waiting for outputs then waits for ever (a killed engine hung the rollout). Watch the
+    processes too, write which one died into `errors` unless an error is there already, and hand a
+    waiting reader `EngineDeadError` (raised as `RolloutEngineDied`). Needed while vLLM's sync
+    client does not do it itself (0.32.x)."""
+    import threading
+    import weakref
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    if manager is None or not hasattr(client, "outputs_queue"):
+        return   # in-process engine, or a client that forwards deaths itself
+    ref = weakref.ref(client)
+
+    def watch() -> None:
+        manager.monitor_engine_liveness()   # returns when an engine core process exits
+        alive, failed = ref(), getattr(manager, "failed_proc_name", None)
+        if alive is None or not failed:   # shut down by us, not dead
+            return
+        codes = [p.exitcode for p in manager.processes if p.name == failed and p.exitcode is not None]
+        how = (f"was killed by signal {-codes[0]}" if codes and codes[0] < 0
+               else f"exited with code {codes[0]}" if codes else "exited")
+        if not (errors.is_file() and errors.read_text().strip()):
+            errors.write_text(f"its process {failed} {how}")
+        alive.outputs_queue.put_nowait(EngineDeadError())
+
+    threading.Thread(target=watch, daemon=True, name="raygraph-engine-death").start()
 
 
 def sampling_params(*, greedy: bool, top_p: float, top_k: int, max_tokens: int,
@@ -205,6 +238,7 @@ def watch_engine(engine: Any) -> Path:
     when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
     path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
     engine.collective_rpc("raygraph_record_errors", args=(str(path),))
+    _wake_waiters_when_the_engine_dies(engine.llm_engine.engine_core, path)
     return path
 
 

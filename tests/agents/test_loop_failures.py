@@ -113,13 +113,10 @@ def test_truncation_says_whether_a_turn_was_cut_by_its_budget_or_by_the_context(
     assert squeezed.truncation == "context" and squeezed.turns == 2 and squeezed.last_room < 8
 
 
-def test_the_tool_parser_reads_tool_tags_that_are_special_tokens(tmp_path):
+def test_the_tool_parser_reads_tool_tags_that_are_special_tokens(tmp_path, smollm2_path):
     from transformers import AutoTokenizer
 
-    from tests.agents.test_turns import SMOLLM2
-    if not SMOLLM2.is_dir():
-        pytest.skip("needs the SmolLM2 tokenizer (tests/agents/test_turns.py fetches it)")
-    tok = AutoTokenizer.from_pretrained(SMOLLM2)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
     tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     agent = AgentLoop(tokenizer=tok, stop_token_ids=[tok.eos_token_id], tools=["calculator"],
                       budgets=AgentBudgets(max_turns=2, max_new_tokens=64, max_total_tokens=512, max_message_tokens=8))

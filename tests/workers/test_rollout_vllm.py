@@ -243,3 +243,41 @@ def test_sleep_mode_is_refused_on_the_cpu_backend(model_paths):
         pytest.skip("the CPU backend's refusal")
     with pytest.raises(ValueError, match="enable_sleep_mode"):
         VLLMRolloutWorker(model_path=model_paths[0], max_new_tokens=4, enable_sleep_mode=True)
+
+
+def test_killing_the_engine_process_mid_generate_raises_instead_of_hanging(worker):
+    """Runs last (it kills the module's engine). vLLM 0.32's offline client stops reading outputs
+    when its engine core process dies, so a `generate` in flight waited for ever; raygraph's
+    watcher (vllm_compat) hands it `RolloutEngineDied`, naming the process and the signal."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from raygraph.workers import vllm_compat
+
+    ids = torch.full((64, 4), 10)
+    batch = Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: [f"p{i}" for i in range(64)]})
+    worker.max_new_tokens, worker.stop_token_ids = 256, [worker.tokenizer.eos_token_id]   # long: killed in flight
+    outcome: dict = {}
+
+    def generate():
+        try:
+            worker.generate(batch)
+            outcome["returned"] = True
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    (engine,) = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()]
+    os.kill(engine.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "generate still waits 30 s after its engine was killed"
+    assert time.monotonic() - killed < 10
+    assert isinstance(outcome.get("error"), vllm_compat.RolloutEngineDied), outcome
+    assert "EngineCore was killed by signal 9" in str(outcome["error"])
