@@ -86,6 +86,7 @@ class Executor:
             oks = wait_calls(status, sites, labels, timeout_s=self.timeout_s)
             outs = ray.get([values[v] for v in self.plan.outputs])
         except RoleError as err:
+            _read_echoes([*status, *values.values()])
             raise self._attribute(err) from None
         self.last_driver_bytes = _nbytes(oks) + _nbytes(outs)
         return outs
@@ -98,6 +99,7 @@ class Executor:
         try:
             outs = wait_calls(refs, [op.site] * len(refs), [op.task.label] * len(refs), timeout_s=self.timeout_s)
         except RoleError as err:
+            _read_echoes(refs)
             raise self._attribute(err) from None
         self.last_driver_bytes = _nbytes(outs)
         return outs
@@ -149,3 +151,16 @@ class Executor:
 
 def _nbytes(value: Any) -> int:
     return len(pickle.dumps(value, protocol=5))
+
+
+def _read_echoes(refs: list, within_s: float = 2.0) -> None:
+    """Read the results a failed step's other tasks have left by now. Every task downstream of the
+    failure fails with an echo of it, and Ray prints each error nobody read as an "Unhandled
+    error" with its whole chain when its ref goes (two dozen tracebacks of one failure); the
+    failure itself is raised once, as a `RoleError`."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=within_s, fetch_local=False)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001, S110 - an echo of the failure being raised
+            pass
