@@ -146,8 +146,9 @@ def _data_ok(cfg, config: str) -> bool:
     (`raygraph.run.data_checks`). Data or a model that `train` builds (data.toy, model.tiny)
     and that does not exist yet is said and skipped; a missing real model is a problem."""
     from raygraph.config.workflow_ref import load_workflow
+    from raygraph.models.hub import hub_unreachable
     from raygraph.run.feed import StepData
-    from raygraph.run.setup import check_model_path
+    from raygraph.run.setup import check_data_files, check_model_path
 
     files = [*cfg.data.train_files, *cfg.data.val_files]
     tokenizer = cfg.model.tokenizer_path or cfg.model.path
@@ -164,6 +165,16 @@ def _data_ok(cfg, config: str) -> bool:
         return False
     if pending:
         print(f"# data not checked yet: {' and '.join(pending)} at the start of train, where it is checked")
+        return True
+    unreachable = None if Path(tokenizer).exists() else hub_unreachable(tokenizer)
+    if unreachable:   # the files can still be checked; what needs the tokenizer cannot
+        try:
+            check_data_files(cfg)
+        except FileNotFoundError as exc:
+            print(f"data problem in {config}:\n  - {exc}", file=sys.stderr)
+            return False
+        print(f"# data files found; the checks that need the tokenizer (prompt lengths, chat template) are "
+              f"skipped: {unreachable}; train loads it where it runs")
         return True
     try:
         data = StepData.load(cfg, load_workflow(cfg.workflow).data_format)

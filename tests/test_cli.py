@@ -46,6 +46,34 @@ def test_validate_ok_prints_resolved_config_without_ray():
     assert seconds < 20, f"validate took {seconds:.1f} s"
 
 
+def test_validate_of_a_hub_model_offline_checks_the_data_files_and_says_what_it_skipped(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from raygraph.data.toy import write_toy_dataset
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # and the model is not in this machine's cache
+    gpu = str(ROOT / "configs" / "qwen2.5-0.5b_gsm8k_1gpu.yaml")
+    assert main(["validate", gpu]) == 2   # its data files are not on this machine: a real problem
+    assert "data files not found: data/gsm8k/train.parquet, data/gsm8k/test.parquet" in capsys.readouterr().err
+    write_toy_dataset(tmp_path / "toy", n_train=8, n_val=4, seed=0)
+    files = [f"data.train_files=[{tmp_path / 'toy' / 'train.parquet'}]",
+             f"data.val_files=[{tmp_path / 'toy' / 'val.parquet'}]"]
+    assert main(["validate", gpu, *files]) == 0
+    out = capsys.readouterr().out
+    assert ("# data files found; the checks that need the tokenizer (prompt lengths, chat template) are skipped: "
+            "Qwen/Qwen2.5-0.5B-Instruct is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") in out
+    assert out.endswith("config OK\n")
+
+
+def test_the_hub_probe_says_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    from raygraph.models.hub import hub_unreachable
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")   # the discard port: nothing listens
+    reason = hub_unreachable("Qwen/Qwen2.5-0.5B-Instruct", cache_dir=str(tmp_path / "empty_hf_cache"))
+    assert reason is not None and "127.0.0.1:9 cannot be reached" in reason
+    assert hub_unreachable("not a repo id!") is None   # loading names what is wrong with it
+
+
 @pytest.mark.slow   # a subprocess (or two torch ranks): not in `make test-fast`
 def test_validate_misspelled_key_exits_2_with_path_and_suggestion(tmp_path):
     bad = tmp_path / "bad.yaml"

@@ -89,13 +89,17 @@ def ensure_assets(cfg) -> None:
     if cfg.model.tiny is not None:
         _ensure_tiny_model(cfg.model.tiny, Path(cfg.model.path), cfg.trainer.seed)
     toy = cfg.data.toy
-    files = [*cfg.data.train_files, *cfg.data.val_files]
     if toy is not None:
-        _ensure_toy_data(toy, Path(cfg.data.train_files[0]).parent, files)
-    missing = [f for f in files if not Path(f).is_file()]
+        _ensure_toy_data(toy, Path(cfg.data.train_files[0]).parent, [*cfg.data.train_files, *cfg.data.val_files])
+    check_data_files(cfg)
+
+
+def check_data_files(cfg) -> None:
+    """Raise `MissingInput` naming every data file of the config that does not exist, and how to make one."""
+    missing = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if not Path(f).is_file()]
     if missing:
-        raise MissingInput(f"data files not found: {', '.join(missing)} "
-                                f"(make toy data with `raygraph data toy --out DIR`)")
+        raise MissingInput(f"data files not found: {', '.join(missing)} (make them with `raygraph data toy|"
+                           "word-problems --out DIR`, or convert GSM8K with `raygraph data gsm8k --input FILE --out DIR`)")
 
 
 def _ensure_tiny_model(preset: str, path: Path, seed: int) -> None:
