@@ -29,12 +29,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raygraph workflows tests benchmarks examples
 
+# Two pytest workers (-n 2): one test at a time left a core idle about half the time (most tests run
+# one thread). Each worker has its own local Ray; a module stays on one worker (tests/conftest.py).
 test: lint
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 # The inner loop: lint + the tests that need no Ray, subprocess or vLLM engine and take <= ~5 s (under a minute).
 test-fast: lint
-	$(PY) -m pytest -q -m "not ray and not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not ray and not slow" tests
 
 clean:
 	rm -rf $(VENV) runs mlruns .pytest_cache

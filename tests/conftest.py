@@ -29,7 +29,16 @@ _OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py",   # tests that sta
             "tests/cluster/test_node_loss.py")
 # Modules by falling cost (measured with --durations): under xdist the longest start first, so the
 # workers finish together. A module missing here runs after these; a stale order costs balance only.
-_SLOWEST_FIRST: tuple[str, ...] = ()
+_SLOWEST_FIRST = (
+    "tests/run/test_chaos.py", "tests/test_vllm_training.py", "tests/test_real_model.py",
+    "tests/agents/test_agent_chaos.py", "tests/test_workflows.py", "tests/run/test_chaos_vllm.py",
+    *_OWN_RAY, "tests/cluster/test_runtime.py", "tests/agents/test_agent_rollout.py",
+    "tests/agents/test_agent_workflows.py", "tests/models/test_gguf.py", "tests/test_lora_workflows.py",
+    "tests/run/test_stop_exit_codes.py", "tests/rewards/test_reward_pool.py", "tests/test_lora_vllm_training.py",
+    "tests/test_distill.py", "tests/workers/test_lora_vllm.py", "tests/workers/test_rollout_vllm.py",
+    "tests/workers/test_lora_vllm_adapter.py", "tests/test_cli.py", "tests/workers/test_vllm_seeded_batches.py",
+    "tests/test_resume_runs.py", "tests/test_async.py", "tests/test_dapo_rounds.py",
+)
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks

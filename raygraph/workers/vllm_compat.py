@@ -167,7 +167,10 @@ def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
         alive, failed = ref(), getattr(manager, "failed_proc_name", None)
         if alive is None or not failed:   # shut down by us, not dead
             return
-        codes = [p.exitcode for p in manager.processes if p.name == failed and p.exitcode is not None]
+        procs = [p for p in manager.processes if p.name == failed]
+        for proc in procs:
+            proc.join(timeout=1.0)   # its pipe closes before the kernel can report how it ended
+        codes = [p.exitcode for p in procs if p.exitcode is not None]
         how = (f"was killed by signal {-codes[0]}" if codes and codes[0] < 0
                else f"exited with code {codes[0]}" if codes else "exited")
         if not (errors.is_file() and errors.read_text().strip()):
