@@ -39,7 +39,7 @@ import ray
 
 from raygraph.cluster import RoleError, WeightSyncError
 
-__all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nodes", "INFRASTRUCTURE_CAUSES",
+__all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nodes", "INFRASTRUCTURE_CAUSES", "ENGINE_DIED",
            "LOST_PEER_SIGNS"]
 
 log = logging.getLogger("raygraph")
@@ -49,7 +49,8 @@ INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
-                         "RolloutEngineDied")   # a vLLM engine's processes died (vllm_compat): rebuild it
+                         "RolloutEngineDied")   # a vLLM engine's processes died (vllm_deaths): rebuild it
+ENGINE_DIED = INFRASTRUCTURE_CAUSES[-1]
 
 
 # What a failed call says when a process it talked to vanished before Ray declared it dead: a

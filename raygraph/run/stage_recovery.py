@@ -40,7 +40,7 @@ import ray
 from raygraph.cluster import RoleError, RoleSpec
 from raygraph.cluster.restart import restart_actors, restartable
 from raygraph.config.role_kinds import kind_of
-from raygraph.run.recovery import Recoveries, failure_is_recoverable, lost_nodes
+from raygraph.run.recovery import ENGINE_DIED, Recoveries, failure_is_recoverable, lost_nodes
 
 __all__ = ["StageRunner", "stateless_roles"]
 
@@ -52,8 +52,8 @@ def stateless_roles(specs: dict[str, RoleSpec]) -> tuple[str, ...]:
 
 
 def _engine_died_in(exc: Exception) -> list[str]:
-    """[the actor] whose rollout engine died (`vllm_compat.RolloutEngineDied`) in `exc`, else []."""
-    if isinstance(exc, RoleError) and exc.cause.startswith("RolloutEngineDied") and exc.actor_name:
+    """[the actor] whose rollout engine died (`vllm_deaths.RolloutEngineDied`) in `exc`, else []."""
+    if isinstance(exc, RoleError) and exc.cause.startswith(ENGINE_DIED) and exc.actor_name:
         return [exc.actor_name]
     return []
 

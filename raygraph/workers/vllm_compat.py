@@ -44,22 +44,20 @@ What is used, and why:
   build"). The one setting that still needs chunked prefill, prefix caching on a hybrid
   (attention + state-space) model, is refused by `seeded_sampling_problem` (`raygraph validate`).
 * A dead engine (`EngineDeadError`, its cause logged in another process) is raised as
-  `RolloutEngineDied` with the engine's own root-cause line (`watch_engine`, `engine_guard`).
+  `RolloutEngineDied` with the engine's own root-cause line; that part is in
+  `raygraph.workers.vllm_deaths` (re-exported here).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import tempfile
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from raygraph.errors import RoleFailed
+from raygraph.workers.vllm_deaths import FirstError, RolloutEngineDied, engine_guard, watch_engine
 
 __all__ = [
     "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
@@ -145,41 +143,6 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
     return llm
 
 
-def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
-    """vLLM 0.32's offline client (`SyncMPClient`) learns of a dead engine core process from a
-    monitor thread, which marks it dead and stops the output thread without a word: a `generate`
-    already waiting for outputs then waits for ever (a killed engine hung the rollout). Watch the
-    processes too, write which one died into `errors` unless an error is there already, and hand a
-    waiting reader `EngineDeadError` (raised as `RolloutEngineDied`). Needed while vLLM's sync
-    client does not do it itself (0.32.x)."""
-    import threading
-    import weakref
-
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    if manager is None or not hasattr(client, "outputs_queue"):
-        return   # in-process engine, or a client that forwards deaths itself
-    ref = weakref.ref(client)
-
-    def watch() -> None:
-        manager.monitor_engine_liveness()   # returns when an engine core process exits
-        alive, failed = ref(), getattr(manager, "failed_proc_name", None)
-        if alive is None or not failed:   # shut down by us, not dead
-            return
-        procs = [p for p in manager.processes if p.name == failed]
-        for proc in procs:
-            proc.join(timeout=1.0)   # its pipe closes before the kernel can report how it ended
-        codes = [p.exitcode for p in procs if p.exitcode is not None]
-        how = (f"was killed by signal {-codes[0]}" if codes and codes[0] < 0
-               else f"exited with code {codes[0]}" if codes else "exited")
-        if not (errors.is_file() and errors.read_text().strip()):
-            errors.write_text(f"its process {failed} {how}")
-        alive.outputs_queue.put_nowait(EngineDeadError())
-
-    threading.Thread(target=watch, daemon=True, name="raygraph-engine-death").start()
-
-
 def sampling_params(*, greedy: bool, top_p: float, top_k: int, max_tokens: int,
                     stop_token_ids: Sequence[int], seed: int | None, temperature: float = 1.0) -> Any:
     """One request's `SamplingParams`: one sample, the sampled token's log-prob, token ids only.
@@ -228,35 +191,6 @@ def finished_requests(engine: Any) -> list[tuple[str, list[int], list[float]]]:
 def abort_requests(engine: Any, request_ids: list[str]) -> None:
     """Drop queued or running requests (a failed multi-turn run leaves none behind)."""
     engine.llm_engine.abort_request(request_ids)
-
-
-class RolloutEngineDied(RoleFailed, RuntimeError):
-    """The vLLM engine's processes died; the message is the engine's own root-cause line. The
-    engine cannot serve again: the worker that holds it must be rebuilt (the recovery of a dead
-    actor does that; `RolloutEngineDied` counts as an infrastructure failure there)."""
-
-
-def watch_engine(engine: Any) -> Path:
-    """Record the first error the engine's worker processes log, in a file this process reads
-    when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
-    path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
-    engine.collective_rpc("raygraph_record_errors", args=(str(path),))
-    _wake_waiters_when_the_engine_dies(engine.llm_engine.engine_core, path)
-    return path
-
-
-@contextlib.contextmanager
-def engine_guard(errors: Path | None) -> Iterator[None]:
-    """Turn vLLM's `EngineDeadError` into `RolloutEngineDied` naming the root cause (read from
-    `errors`, the file of `watch_engine`); vLLM's chain of worker tracebacks is dropped."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    try:
-        yield
-    except EngineDeadError:
-        cause = errors.read_text().strip() if errors is not None and errors.is_file() else ""
-        raise RolloutEngineDied("the vLLM engine died: " + (cause or "its worker processes logged no error "
-                                                                      "(see the engine core's log above)")) from None
 
 
 def seeded_sampling_problem(model_path: str, enable_prefix_caching: bool | None) -> str | None:
@@ -379,8 +313,8 @@ class _WorkerExtension:
     cannot collide with the worker's own (vLLM asserts that)."""
 
     def raygraph_record_errors(self, path: str) -> None:
-        """Write the first exception logged by vLLM in this process (`watch_engine`)."""
-        logging.getLogger("vllm").addHandler(_FirstError(path))
+        """Write the first exception logged by vLLM in this process (`vllm_deaths.watch_engine`)."""
+        logging.getLogger("vllm").addHandler(FirstError(path))
 
     def raygraph_scale_logits(self, factor: float) -> None:
         processor = getattr(self.model_runner.get_model(), "logits_processor", None)
@@ -414,21 +348,6 @@ class _WorkerExtension:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             _reprocess_tied_layers(model)
         self.model_runner.reset_encoder_cache()
-
-
-class _FirstError(logging.Handler):
-    """Writes `<type>: <message>` of the first logged exception to a file; later ones are effects."""
-
-    def __init__(self, path: str):
-        super().__init__(logging.ERROR)
-        self.path, self.done = Path(path), False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.done or not record.exc_info or record.exc_info[1] is None:
-            return
-        exc = record.exc_info[1]
-        self.done = True
-        self.path.write_text(f"{type(exc).__name__}: {exc}")
 
 
 class _KnownReloadWarnings(logging.Filter):
