@@ -101,7 +101,7 @@ class PolicyWorker:
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.entropy_coef, self.kl_loss_coef, self.kl_loss_kind = entropy_coef, kl_loss_coef, kl_loss_kind
         self._first_step_rows = 0       # rows of this update still at the weights that sampled them
-        self._rollout_gap = 0.0         # max |log-prob - rollout log-prob| over those rows
+        self._rollout_gap = torch.zeros(3)   # max, sum and count of |log-prob - rollout log-prob| there
         self.temperature = temperature
 
     # ------------------------------------------------------------------------------ inference
@@ -162,13 +162,15 @@ class PolicyWorker:
         return MicroResult(loss=loss, loss_terms=terms, token_stats=stats)
 
     def _track_rollout_gap(self, micro: Batch, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """Largest gap between the rollout engine's log-probs and ours, on the first optimizer
-        step's rows (where the weights are still those that sampled them)."""
+        """Largest and summed gap between the rollout engine's log-probs and ours, and the tokens
+        counted, on the first optimizer step's rows (where the weights are those that sampled)."""
         if self._first_step_rows <= 0 or ROLLOUT_LOGPROBS not in micro:
             return
         gap = (logprobs.detach().float() - micro[ROLLOUT_LOGPROBS].to(self.device)).abs() * mask
-        if gap.numel():   # a running max on the device: read once after the update, no sync per micro-batch
-            self._rollout_gap = torch.maximum(torch.as_tensor(self._rollout_gap, device=gap.device), gap.max())
+        if gap.numel():   # kept on the device: read once after the update, no sync per micro-batch
+            running = self._rollout_gap.to(gap.device)
+            self._rollout_gap = torch.stack([torch.maximum(running[0], gap.max()), running[1] + gap.sum(),
+                                             running[2] + mask.sum()])
         self._first_step_rows -= len(micro)
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -178,9 +180,10 @@ class PolicyWorker:
         `ref_logprobs` when `kl_loss_coef` > 0), and `old_logprobs` unless the update is ONE
         optimizer step (one epoch, one mini-batch): then the policy before the step is the one
         being differentiated, and its detached log-probs are `old_logprobs` (no extra pass).
-        With `rollout_logprobs` in the batch it also reports `rollout/logprob_diff_max`, the
-        largest gap between the rollout engine's and the policy's log-probs at the weights that
-        sampled (on the first optimizer step's rows).
+        With `rollout_logprobs` in the batch it also reports `rollout/logprob_diff_max` and
+        `rollout/logprob_diff_mean`, the largest and the mean per-token gap between the rollout
+        engine's and the policy's log-probs at the weights that sampled (on the first optimizer
+        step's rows).
 
         Returns:
             `actor/pg_loss`, `actor/grad_norm`, `actor/clipfrac`, `actor/clipfrac_lower`,
@@ -207,12 +210,14 @@ class PolicyWorker:
         missing = [c for c in needed if c not in batch and c != RESPONSE_ATTENTION]
         if missing:
             raise MissingColumn(f"PolicyWorker.update needs columns {missing}; the batch has {batch.columns()}")
-        self._first_step_rows, self._rollout_gap = first_step, 0.0
+        self._first_step_rows, self._rollout_gap = first_step, torch.zeros(3)
         metrics = self._run(batch.select_columns(needed), self._ppo_loss, RESPONSE_MASK, self.ppo_epochs,
                             self.loss_agg, defaults={"kl_loss": 0.0})
         if ROLLOUT_LOGPROBS in batch:
-            gap = all_reduce(torch.tensor([float(self._rollout_gap)], dtype=torch.float64), op="max")
-            metrics["rollout/logprob_diff_max"] = float(gap)
+            gap = self._rollout_gap.to("cpu", torch.float64)
+            largest, (total, tokens) = all_reduce(gap[:1], op="max"), all_reduce(gap[1:], op="sum")
+            metrics["rollout/logprob_diff_max"] = float(largest)
+            metrics["rollout/logprob_diff_mean"] = float(total / tokens.clamp(min=1))
         return metrics
 
     def _run(self, batch: Batch, loss_fn, mask_key: str, epochs: int, agg: str,

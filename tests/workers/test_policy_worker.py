@@ -101,6 +101,8 @@ def test_one_step_update_without_old_logprobs_equals_the_recomputed_pass(tiny_mo
     # the rollout engine's log-probs vs the policy's, at the weights that sampled
     expected_gap = float((noise * batch[RESPONSE_MASK]).abs().max())
     assert m_skip["rollout/logprob_diff_max"] == pytest.approx(expected_gap, abs=1e-5)
+    mask = batch[RESPONSE_MASK] == 1
+    assert m_skip["rollout/logprob_diff_mean"] == pytest.approx(float(noise[mask].abs().mean()), abs=1e-6)
     w_full, w_skip = _weights(recomputed), _weights(skipped)
     assert max((w_full[k] - initial[k]).abs().max() for k in initial) > 1e-5
     for k in w_full:

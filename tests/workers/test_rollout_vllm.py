@@ -245,6 +245,21 @@ def test_sleep_mode_is_refused_on_the_cpu_backend(model_paths):
         VLLMRolloutWorker(model_path=model_paths[0], max_new_tokens=4, enable_sleep_mode=True)
 
 
+def test_the_cpu_engine_is_one_process_running_the_model_with_the_callers_threads(worker):
+    """vllm_compat runs the model inside the engine core process on the CPU build (vLLM's CPU
+    platform would start a worker process beside it, bound to cores of its choosing)."""
+    import psutil
+
+    from raygraph.workers import vllm_compat
+
+    if not vllm_compat.on_cpu():
+        pytest.skip("the CPU build's executor")
+    kids = [k for k in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(k.cmdline())]
+    assert [k.name() for k in kids] == ["VLLM::EngineCore"]   # no VLLM::Worker
+    (engine,) = kids
+    assert engine.cpu_affinity() == psutil.Process().cpu_affinity()   # no core binding of its own
+
+
 def test_killing_the_engine_process_mid_generate_raises_instead_of_hanging(worker):
     """Runs last (it kills the module's engine). vLLM 0.32's offline client stops reading outputs
     when its engine core process dies, so a `generate` in flight waited for ever; raygraph's
