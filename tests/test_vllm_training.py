@@ -39,24 +39,6 @@ def _rows(summary) -> list[dict]:
     return read_metrics(summary.run_dir)
 
 
-def test_colocated_vllm_rollouts_agree_with_the_trainer_and_are_corrected(assets, tmp_path, ray_local):
-    from raygraph.run.trainer import run
-
-    summary = run(_cfg(assets, tmp_path, **{"algorithm.rollout_correction.mode": "truncated_is",
-                                            "trainer.total_steps": 2}))
-    rows = _rows(summary)
-    assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert all(math.isfinite(v) for v in row.values())
-        assert row["weights/verified"] == 1.0 and row["weights/version"] == row["step"]
-        # fp32 vLLM vs the policy's recomputation at the same weights: numerics only
-        assert row["rollout/logprob_diff_max"] < 1e-4 and 0 <= row["rollout/mismatch_kl"] < 1e-8
-        assert row["rollout/correction_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-        assert row["rollout/correction_capped_frac"] == 0.0
-        assert "timing/policy.logprobs_s" in row   # the correction needs the trainer's old log-probs
-    assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0
-
-
 ASYNC = {"placement.mode": "disaggregated", "placement.max_staleness": 1, "placement.rollout_workers": 2,
          "data.prompts_per_step": 4, "actor.entropy_coef": 0.5, "actor.optim.lr": 0.01, "run_name": "async",
          "trainer.save_every": 2}
@@ -93,15 +75,27 @@ def test_disaggregated_async_vllm_trains_and_resumes_exactly(assets, tmp_path, r
 # seeded; before issue 29 the CPU engine died at the first chunked prefill.
 BEYOND_ONE_BATCH = {"data.toy.n_train": 36, "data.toy.n_val": 64, "data.val_prompts": 64,
                     "data.prompts_per_step": 32, "rollout.n": 20, "rollout.val_greedy": "false",
-                    "rollout.val_n": 16, "trainer.total_steps": 1, "actor.micro_batch_size": 64}
+                    "rollout.val_n": 16, "trainer.total_steps": 2, "actor.micro_batch_size": 64,
+                    "trainer.val_every": 0}
 
 
-def test_a_step_and_a_sampled_validation_beyond_one_scheduler_batch_run_on_the_cpu_engine(assets, tmp_path,
-                                                                                             ray_local):
+def test_colocated_vllm_steps_beyond_one_scheduler_batch_agree_with_the_trainer_and_are_corrected(
+        assets, tmp_path, ray_local):
+    """Colocated vLLM rollouts with the rollout correction: step 2 samples with the weights synced
+    after step 1, and its log-probs are still the policy's; both steps and the sampled validation
+    send more prompt tokens than one scheduler step of the CPU engine holds."""
     from raygraph.run.trainer import run
 
     own = {"model": assets["model"], "data": tmp_path / "toy"}   # a larger toy split than the module's
-    rows = _rows(run(_cfg(own, tmp_path / "out", **BEYOND_ONE_BATCH)))
-    assert [r["step"] for r in rows] == [1]
-    assert rows[0]["rollout/samples"] == 640.0 and all(math.isfinite(v) for v in rows[0].values())
-    assert 0.0 <= rows[0]["val/pass@16"] <= 1.0
+    rows = _rows(run(_cfg(own, tmp_path / "out", **BEYOND_ONE_BATCH,
+                          **{"algorithm.rollout_correction.mode": "truncated_is"})))
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout/samples"] == 640.0 and all(math.isfinite(v) for v in row.values())
+        assert row["weights/verified"] == 1.0 and row["weights/version"] == row["step"]
+        # fp32 vLLM vs the policy's recomputation at the same weights: numerics only
+        assert row["rollout/logprob_diff_max"] < 1e-4 and 0 <= row["rollout/mismatch_kl"] < 1e-8
+        assert row["rollout/correction_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert row["rollout/correction_capped_frac"] == 0.0
+        assert "timing/policy.logprobs_s" in row   # the correction needs the trainer's old log-probs
+    assert 0.0 <= rows[-1]["val/pass@16"] <= 1.0
