@@ -27,38 +27,57 @@ FIRST_CHAR_ID, VOCAB = 6, 93  # ids of the tiny tokenizer's ordinary characters
 
 _OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py",   # tests that start a Ray cluster of their own
             "tests/cluster/test_node_loss.py")
-# Modules by falling cost (measured with --durations): under xdist the longest start first, so the
+# Tests that share one pytest worker beyond their module: the own-cluster tests run one after
+# another; the SmolLM2 users wait for one import of the model instead of one each.
+_GROUPS = {"own_ray": _OWN_RAY, "smollm2": ("tests/test_real_model.py", "tests/models/test_gguf.py")}
+# Groups by falling cost (measured with --durations): under xdist the longest start first, so the
 # workers finish together. A module missing here runs after these; a stale order costs balance only.
 _SLOWEST_FIRST = (
-    "tests/run/test_chaos.py", "tests/test_vllm_training.py", "tests/test_real_model.py",
-    "tests/agents/test_agent_chaos.py", "tests/test_workflows.py", "tests/run/test_chaos_vllm.py",
-    *_OWN_RAY, "tests/cluster/test_runtime.py", "tests/agents/test_agent_rollout.py",
-    "tests/agents/test_agent_workflows.py", "tests/models/test_gguf.py", "tests/test_lora_workflows.py",
-    "tests/run/test_stop_exit_codes.py", "tests/rewards/test_reward_pool.py", "tests/test_lora_vllm_training.py",
-    "tests/test_distill.py", "tests/workers/test_lora_vllm.py", "tests/workers/test_rollout_vllm.py",
-    "tests/workers/test_lora_vllm_adapter.py", "tests/test_cli.py", "tests/workers/test_vllm_seeded_batches.py",
-    "tests/test_resume_runs.py", "tests/test_async.py", "tests/test_dapo_rounds.py",
+    "tests/run/test_chaos.py", "smollm2", "own_ray", "tests/test_workflows.py", "tests/test_vllm_training.py",
+    "tests/run/test_chaos_vllm.py", "tests/agents/test_agent_workflows.py", "tests/agents/test_agent_rollout.py",
+    "tests/cluster/test_runtime.py", "tests/test_lora_workflows.py", "tests/run/test_stop_exit_codes.py",
+    "tests/test_distill.py", "tests/test_dapo_rounds.py", "tests/test_async.py", "tests/agents/test_agent_chaos.py",
+    "tests/rewards/test_reward_pool.py", "tests/test_resume_runs.py", "tests/test_lora_vllm_training.py",
+    "tests/cluster/test_real_workers.py", "tests/test_cli.py", "tests/workers/test_lora_vllm.py",
+    "tests/workers/test_lora_vllm_adapter.py", "tests/workers/test_rollout_vllm.py",
+    "tests/workers/test_vllm_seeded_batches.py",
 )
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks
+def _group(path: str) -> str:
+    """The group of a test file (its path relative to the repository), which one pytest worker runs."""
+    return next((name for name, parts in _GROUPS.items() if any(part in path for part in parts)), path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N --dist loadgroup` (`make test`): each group of `_group` goes whole to one worker
+    (module fixtures such as reference runs are computed once), in the order of `_SLOWEST_FIRST`.
+    pytest-xdist 3.8's own loadgroup grouping does nothing under pytest 9 (it renames node ids
+    through an attribute pytest 9 no longer reads), so tests were spread one by one."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False   # keep the collection order: slowest groups first
+    return GroupScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark every test that needs Ray `ray` (`make test-fast` leaves them out); skip `gpu` tests
-    without CUDA. For `pytest -n N --dist loadgroup` (`make test`): a module's tests stay on one
-    worker (its module fixtures, e.g. reference runs, are computed once), tests that start a Ray
-    cluster of their own run one after another, and the slowest modules are handed out first."""
+    without CUDA; order the tests by group, slowest groups first (see `pytest_xdist_make_scheduler`)."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        path = item.path.as_posix()
-        own_ray = any(part in path for part in _OWN_RAY)
-        if "ray_local" in item.fixturenames or own_ray:
+        if "ray_local" in item.fixturenames or _group(item.path.as_posix()) == "own_ray":
             item.add_marker(pytest.mark.ray)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        item.add_marker(pytest.mark.xdist_group("own_ray" if own_ray else item.path.relative_to(config.rootpath)
-                                                .as_posix()))
-    rank = {part: k for k, part in enumerate(_SLOWEST_FIRST)}
-    items.sort(key=lambda item: next((k for part, k in rank.items() if part in item.path.as_posix()), len(rank)))
+    rank = {name: k for k, name in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item.path.relative_to(config.rootpath).as_posix()), len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,11 @@
 """Chaos with episodes: the rollout+reward process dies in the middle of an episode of step 2
 (its environment kills it with SIGKILL); stage-level recovery starts that process alone, step 2's
 episodes run again from their start, every prompt is trained once (the ledger), and the final
-weights equal those of the same run never interrupted, bit for bit."""
+weights equal those of the same run never interrupted, bit for bit.
+
+The HF engine samples: with a model path `rollout.engine=auto` would pick vLLM, whose three engine
+starts took ~70 of this test's 137 s in `make test`; a dead vLLM engine rebuilt and resampled
+exactly is tests/run/test_chaos_vllm.py, episodes on vLLM tests/agents/test_agent_rollout.py."""
 
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ def _cfg(tmp_path: Path, model: str, env: Path, kill: bool, run_name: str):
         "data.toy.n_train=64", "data.toy.n_val=8", "data.prompts_per_step=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
         f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.val_every=0", "trainer.warm_start=null",
         "checkpoint.keep_last=0", "checkpoint.save_hf=true", "logging.mlflow=false", "data.val_prompts=4",
-        "trainer.resume=auto", "trainer.max_restarts=2", "placement.mode=disaggregated",
+        "trainer.resume=auto", "trainer.max_restarts=2", "placement.mode=disaggregated", "rollout.engine=hf",
         f"rollout.agent.env={env}:DieInStep2", f"rollout.agent.env_args={{kill: {str(kill).lower()}}}"])
 
 

