@@ -71,13 +71,16 @@ def pytest_collection_modifyitems(config, items):
     """Mark every test that needs Ray `ray` (`make test-fast` leaves them out); skip `gpu` tests
     without CUDA; order the tests by group, slowest groups first (see `pytest_xdist_make_scheduler`)."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    rank = {name: k for k, name in enumerate(_SLOWEST_FIRST)}
+    order = {}
     for item in items:
-        if "ray_local" in item.fixturenames or _group(item.path.as_posix()) == "own_ray":
+        group = _group(item.path.relative_to(config.rootpath).as_posix())
+        if "ray_local" in item.fixturenames or group == "own_ray":
             item.add_marker(pytest.mark.ray)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-    rank = {name: k for k, name in enumerate(_SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item.path.relative_to(config.rootpath).as_posix()), len(rank)))
+        order[item.nodeid] = rank.get(group, len(rank))
+    items.sort(key=lambda item: order[item.nodeid])
 
 
 @pytest.fixture(scope="session")
