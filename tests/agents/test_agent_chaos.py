@@ -3,8 +3,8 @@
 episodes run again from their start, every prompt is trained once (the ledger), and the final
 weights equal those of the same run never interrupted, bit for bit.
 
-The HF engine samples: with a model path `rollout.engine=auto` would pick vLLM, whose three engine
-starts took ~70 of this test's 137 s in `make test`; a dead vLLM engine rebuilt and resampled
+The HF engine samples, set explicitly (vLLM's three engine starts took ~70 of this test's 137 s
+in `make test` when `rollout.engine=auto` picked vLLM for any model path); a dead vLLM engine rebuilt and resampled
 exactly is tests/run/test_chaos_vllm.py, episodes on vLLM tests/agents/test_agent_rollout.py."""
 
 from __future__ import annotations
