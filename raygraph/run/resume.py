@@ -38,7 +38,7 @@ log = logging.getLogger("raygraph")
 RESUMABLE = (
     "run_name", "experiment",            # a checkpoint given by path, resumed into a new run directory
     "trainer.total_steps",               # a decaying lr schedule stretches to the new length from here on
-    "trainer.resume", "trainer.output_dir", "trainer.val_every", "trainer.save_every",
+    "trainer.resume", "trainer.output_dir", "trainer.val_every", "trainer.val_before_train", "trainer.save_every",
     "trainer.dump_rollouts", "trainer.dump_rows", "trainer.executor", "trainer.profile",
     "trainer.ray_address", "trainer.stop_timeout_s", "trainer.max_restarts", "trainer.step_timeout_s",
     "trainer.warm_start",                # runs only before step 1: ignored by a resumed run
