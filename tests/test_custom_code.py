@@ -306,9 +306,10 @@ with open(Path(__file__).with_name("imported_by.txt"), "a") as log:   # which pr
 
 
 @raygraph.register_advantage("e2e_grpo", needs=("group_ids",))
-def e2e_grpo(*, token_rewards, response_mask, group_ids, eps, **unused):
-    return advantages.compute("grpo", token_rewards=token_rewards, response_mask=response_mask,
-                              group_ids=group_ids, eps=eps)
+def e2e_grpo(*, token_rewards, response_mask, group_ids, eps, **unused):   # GRPO's, doubled
+    adv, returns = advantages.compute("grpo", token_rewards=token_rewards, response_mask=response_mask,
+                                      group_ids=group_ids, eps=eps)
+    return 2 * adv, returns
 
 
 @raygraph.register_reward("e2e_toy")
@@ -347,6 +348,12 @@ def test_user_plugins_run_in_every_process_of_a_two_rank_run(tmp_path, monkeypat
     dumped = [json.loads(line) for line in (summary.run_dir / "samples" / "train_step_000001.jsonl").open()]
     assert len(dumped) == 16   # each score is the plugin's: toy accuracy (0 or 1) + len(response) / 8
     assert all(min(abs(r["score"] - len(r["response"]) / 8 - acc) for acc in (0, 1)) < 1e-6 for r in dumped)
+    groups = sorted({r["uid"] for r in dumped})   # the plugin's estimator: twice GRPO's, from the dumped scores
+    scores = torch.tensor([[r["score"]] for r in dumped])
+    grpo, _ = advantages.compute("grpo", token_rewards=scores, response_mask=torch.ones_like(scores),
+                                 group_ids=[groups.index(r["uid"]) for r in dumped], eps=cfg.algorithm.norm_eps)
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in dumped]), 2 * grpo[:, 0], rtol=0, atol=1e-5)
+    assert grpo.abs().max() > 0.1
     pids = set((tmp_path / "imported_by.txt").read_text().split())
     assert len(pids) >= 4   # this process (config check, driver), the coordinator, 2 rank actors
     assert f"{tmp_path}/my_cispo.py" in (summary.run_dir / "config.yaml").read_text()

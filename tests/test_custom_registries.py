@@ -1,5 +1,6 @@
 """KL estimators and DPO losses of the user's own: registered by a plugin or referenced as
-`file.py:fn`, wherever a config takes a built-in name, and equal to the built-in they copy."""
+`file.py:fn`, wherever a config takes a built-in name. The user functions differ from every
+built-in (an absolute-value k1, a hinge loss), so a lookup that fell back to a built-in fails."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ from raygraph.config import ConfigError, load_config
 
 TOY = Path(__file__).resolve().parents[1] / "configs" / "grpo_toy.yaml"
 USER = '''
-import torch.nn.functional as F
+import torch
 
 
 def my_k1(*, logprobs, ref_logprobs):
-    return logprobs - ref_logprobs
+    return (logprobs - ref_logprobs).abs()
 
 
-def my_sigmoid(*, margin, beta):
-    return -F.logsigmoid(beta * margin)
+def my_sigmoid(*, margin, beta):   # a hinge on the margin (SLiC), not DPO's sigmoid
+    return torch.relu(1 - beta * margin)
 
 
 def wrong(logprobs):
@@ -37,20 +38,24 @@ def user_file(tmp_path) -> Path:
     return path
 
 
-def test_a_referenced_kl_estimator_equals_the_builtin_and_has_a_straight_through_form(user_file):
-    lp, ref = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)
-    torch.testing.assert_close(kl.estimate(lp, ref, f"{user_file}:my_k1"), kl.estimate(lp, ref, "k1"), rtol=0, atol=0)
-    st = kl.estimate(lp, ref, f"{user_file}:my_k1+")   # value of k1, gradient of k2 = (lp - ref)
+def test_a_referenced_kl_estimator_is_the_users_and_has_a_straight_through_form(user_file):
+    lp, ref = torch.tensor([[0.5, -1.0, 2.0]], requires_grad=True), torch.tensor([[1.0, -1.5, 2.0]])
+    mine = kl.estimate(lp, ref, f"{user_file}:my_k1")
+    assert mine.tolist() == [[0.5, 0.5, 0.0]]   # |lp - ref|; the built-in k1 gives [-0.5, 0.5, 0]
+    st = kl.estimate(lp, ref, f"{user_file}:my_k1+")   # value of the user's, gradient of k2 = (lp - ref)
+    assert st.tolist() == [[0.5, 0.5, 0.0]]
     st.sum().backward()
     torch.testing.assert_close(lp.grad, (lp - ref).detach())
 
 
-def test_a_referenced_dpo_loss_equals_the_builtin(user_file):
-    logps = [torch.randn(4) for _ in range(4)]
-    kwargs = dict(zip(("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps"), logps))
-    mine, _ = dpo.dpo_loss(**kwargs, beta=0.3, kind=f"{user_file}:my_sigmoid")
-    builtin, _ = dpo.dpo_loss(**kwargs, beta=0.3, kind="sigmoid")
-    assert float(mine) == float(builtin) > 0
+def test_a_referenced_dpo_loss_is_the_users(user_file):
+    # margins h = (chosen - ref_chosen) - (rejected - ref_rejected) = 2, -1; beta 0.25:
+    # hinge relu(1 - 0.25 h) = 0.5, 1.25 -> mean 0.875 (the built-in sigmoid gives 0.6500)
+    kwargs = {"chosen_logps": torch.tensor([-1.0, -3.0]), "rejected_logps": torch.tensor([-2.0, -2.0]),
+              "ref_chosen_logps": torch.tensor([-2.0, -2.0]), "ref_rejected_logps": torch.tensor([-1.0, -2.0])}
+    mine, _ = dpo.dpo_loss(**kwargs, beta=0.25, kind=f"{user_file}:my_sigmoid")
+    assert float(mine) == pytest.approx(0.875, abs=1e-6)
+    assert float(dpo.dpo_loss(**kwargs, beta=0.25, kind="sigmoid")[0]) == pytest.approx(0.65001, abs=1e-4)
 
 
 @pytest.fixture

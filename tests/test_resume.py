@@ -156,10 +156,16 @@ def test_a_failure_inside_a_step_writes_no_checkpoint_and_says_why(tmp_path, cap
 
 
 def test_a_role_that_cannot_load_its_part_is_one_checkpoint_error(tmp_path):
+    """A worker's error reaches the driver wrapped by Ray (a traceback text, the error as `cause`);
+    the run stops with one CheckpointError naming the checkpoint and the worker's own cause."""
+    class _RayTaskError(RuntimeError):   # what ray.get raises: its text is the remote traceback
+        def __init__(self, cause):
+            super().__init__("ray::PolicyWorker.load_checkpoint() (pid=7)\nTraceback (most recent call last): ...")
+            self.cause = cause
+
     class _Group:
         def call(self, method, path):
-            raise checkpoint.CheckpointError(f"cannot load the training state in {path}: extra_rank0.safetensors "
-                                             "is missing")
+            raise _RayTaskError(FileNotFoundError(f"{path}/extra_rank0.safetensors"))
 
     class _PolicyOnly:
         def names(self):
@@ -169,8 +175,10 @@ def test_a_role_that_cannot_load_its_part_is_one_checkpoint_error(tmp_path):
             return _Group()
 
     plan = resume.ResumePlan(tmp_path / "step_4", {"step": 4}, {})
-    with pytest.raises(checkpoint.CheckpointError, match=r"cannot load .*step_4: .*extra_rank0.safetensors is missing"):
+    with pytest.raises(checkpoint.CheckpointError) as err:
         resume.restore(plan, _PolicyOnly(), None, None, seed=0)
+    ckpt = tmp_path / "step_4"   # each role loads its own folder of the checkpoint
+    assert str(err.value) == f"cannot load {ckpt}: {ckpt / 'policy' / 'extra_rank0.safetensors'}"
 
 
 def test_toy_data_written_with_other_settings_is_refused_not_used(tmp_path, tiny_model_path):

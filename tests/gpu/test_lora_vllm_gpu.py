@@ -27,21 +27,34 @@ SIZE, DTYPE, SPEC = "25m", "bfloat16", LoraSpec(rank=8, alpha=16.0)
 BF16_MAX_DIFF = 0.1   # as tests/gpu/test_vllm_gpu.py: bf16 on both sides
 
 
+def _adapter(policy) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in policy.model.named_parameters() if is_adapter_name(name)}
+
+
+def _set_adapter(policy, values: dict[str, torch.Tensor]) -> None:
+    for name, param in policy.model.named_parameters():
+        if name in values:
+            param.data.copy_(values[name])
+
+
 def check_adapter_syncs(model_path: str, dtype: str, **engine_kw) -> list[float]:
-    """Two random adapters synced in turn; returns the max |engine - policy| log-prob gap of each."""
+    """Two random adapters synced in turn; returns the max |engine - policy| log-prob gap of each.
+
+    No stale adapter, with a margin: on the engine's greedy output after each sync, the policy
+    with the *previous* adapter differs from the policy with the synced one by more than twice
+    the tolerance, so an engine still serving the previous adapter fails the tolerance check
+    (bf16 noise alone cannot pass it)."""
     policy = PolicyWorker(model_path=model_path, dtype=dtype, lr=1e-3, temperature=0.7, lora=SPEC, lora_sync="adapter")
     engine = VLLMRolloutWorker(model_path=model_path, dtype=dtype, seed=0, n=2, temperature=0.7, max_new_tokens=32,
                                enforce_eager=True, lora=SPEC, lora_sync="adapter", **engine_kw)
     texts = [f"<|user|>What is {i} + {3 * i % 17}?<|end|><|assistant|>" for i in range(8)]
     enc = load_tokenizer(model_path)(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompts = Batch({PROMPT_IDS: enc.input_ids, PROMPT_MASK: enc.attention_mask})
-    gaps, greedy = [], [engine.generate(prompts, greedy=True)]
+    gaps, previous = [], _adapter(policy)   # LoRA's initial adapter: B = 0, the base model
     try:
         for version in (1, 2):
             gen = torch.Generator().manual_seed(version)
-            for name, param in policy.model.named_parameters():
-                if is_adapter_name(name):
-                    param.data.copy_(0.05 * torch.randn(param.shape, generator=gen))
+            _set_adapter(policy, {name: 0.05 * torch.randn(v.shape, generator=gen) for name, v in previous.items()})
             transport = InProcessTransport()
             start = time.perf_counter()
             transport.send(policy.weight_buckets(bucket_bytes=64 << 20), version=version)
@@ -52,11 +65,15 @@ def check_adapter_syncs(model_path: str, dtype: str, **engine_kw) -> list[float]
             for out in (engine.generate(prompts), engine.generate(prompts, greedy=True)):
                 diff = (policy.logprobs(out)[OLD_LOGPROBS] - out[ROLLOUT_LOGPROBS]).abs() * out[RESPONSE_MASK]
                 gaps.append(float(diff.max()))
-            greedy.append(out)
+            current = _adapter(policy)
+            _set_adapter(policy, previous)   # the adapter the engine held before this sync
+            stale = (policy.logprobs(out)[OLD_LOGPROBS] - out[ROLLOUT_LOGPROBS]).abs() * out[RESPONSE_MASK]
+            _set_adapter(policy, current)
+            print(f"sync {version}: the previous adapter is {float(stale.max()):.3f} away (tolerance {BF16_MAX_DIFF})")
+            assert float(stale.max()) > 2 * BF16_MAX_DIFF, "the adapters are too alike to tell a stale one"
+            previous = current
     finally:
         engine.close()
-    for before, after in zip(greedy, greedy[1:]):   # each adapter changed what the engine computes
-        assert not torch.equal(before[ROLLOUT_LOGPROBS], after[ROLLOUT_LOGPROBS])
     return gaps
 
 
