@@ -24,8 +24,9 @@ What is used, and why:
   linear layer is repacked for oneDNN and its `weight` parameter emptied), so a plain
   `load_weights` into a running engine would not change what is computed. A layer is re-packed
   as soon as all its tensors arrived; only its tensors are buffered meanwhile.
-  Buckets travel as RPC arguments (serialised; fine on CPU and for colocated tests). On GPUs the
-  same entry points work; NCCL / CUDA-IPC transfer would replace the argument path.
+  Buckets travel through a shared-memory file the engine's workers map (`vllm_staging`; 538 MB
+  in 0.73 s as RPC arguments before), or as RPC arguments where /dev/shm has no room. On GPUs
+  the same entry points work; NCCL / CUDA-IPC transfer would replace the host copy.
 * LoRA (`lora_support`, `build_engine(max_lora_rank=...)`, `add_lora` / `remove_lora`): the engine
   is built with `enable_lora` and serves an adapter given as a PEFT directory (`LoRARequest`);
   vLLM caches adapters by their int id, so each synced adapter gets a new id and the previous one
@@ -67,6 +68,7 @@ from typing import Any
 import torch
 
 from raygraph.workers.vllm_deaths import FirstError, RolloutEngineDied, engine_guard, watch_engine
+from raygraph.workers.vllm_staging import Staging, shared_tensors
 
 __all__ = [
     "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
@@ -297,8 +299,14 @@ def begin_weight_update(engine: Any) -> None:
 
 
 def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
-    """Send one bucket (HF checkpoint names) to every engine worker and load it."""
-    engine.collective_rpc("raygraph_load_bucket", args=(_to_wire(bucket),))
+    """Send one bucket (HF checkpoint names) to every engine worker and load it: through a
+    shared-memory file where /dev/shm has room (`vllm_staging`), else as RPC arguments."""
+    staging = Staging.for_engine(engine, sum(t.numel() * t.element_size() for _, t in bucket))
+    if staging is None:
+        engine.collective_rpc("raygraph_load_bucket", args=(_to_wire(bucket),))
+        return
+    layout = staging.write(bucket)
+    engine.collective_rpc("raygraph_load_shared", args=(staging.path, staging.nbytes, layout))
 
 
 def finish_weight_update(engine: Any) -> None:
@@ -316,8 +324,10 @@ def wake_up(engine: Any) -> None:
 
 
 def shutdown(engine: Any) -> None:
-    """Stop the engine's processes now (rather than at garbage collection)."""
+    """Stop the engine's processes now (rather than at garbage collection); drop its staging file."""
     engine.llm_engine.engine_core.shutdown()
+    if (staging := getattr(engine, "_raygraph_staging", None)) is not None:
+        staging.close()
 
 
 class _WorkerExtension:
@@ -351,6 +361,12 @@ class _WorkerExtension:
 
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             self.model_runner.get_model().load_weights(weights=_from_wire(wire))
+
+    def raygraph_load_shared(self, path: str, nbytes: int, layout: list) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights(weights=shared_tensors(path, nbytes, layout))
 
     def raygraph_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
