@@ -41,7 +41,18 @@ def _cfg(tmp_path: Path, model: str, data: Path, run_name: str, *extra: str):
                              f"trainer.output_dir={tmp_path}", f"trainer.total_steps={STEPS}",
                              "trainer.save_every=1", "checkpoint.keep_last=0", "checkpoint.save_hf=true",
                              "logging.mlflow=false", "data.val_prompts=4", "trainer.resume=auto",
-                             "trainer.max_restarts=2", *extra])
+                             "trainer.max_restarts=2", *TRAINS, *extra])
+
+
+# The tiny random model never answers a toy problem: every reward is 0, so GRPO alone leaves the
+# weights as they were and "equal to the uninterrupted run" would hold for any samples. An
+# entropy bonus gives every step a gradient that depends on the step's samples.
+TRAINS = ("actor.entropy_coef=0.5", "actor.optim.lr=0.01")
+
+
+def _trained(final: dict[str, torch.Tensor], model: str) -> bool:
+    initial = load_file(str(Path(model) / "model.safetensors"))
+    return any(not torch.equal(final[k], initial[k]) for k in initial if k in final)
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -140,9 +151,10 @@ def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_pa
     ref = reference[layout]
     assert final.keys() == ref.keys()
     assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    assert _trained(final, tiny_model_path), "the run trained nothing: equal weights would prove nothing"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))   # each step once
-    assert any(m.get("recovery/count") == 1.0 for m in metrics)
+    assert any(m.get("recovery/count") == 1.0 for m in metrics) and all(m["actor/grad_norm"] > 0 for m in metrics)
 
 
 SELF_KILLING_REWARD = '''
@@ -241,7 +253,7 @@ def hang_once(response_text, ground_truth, extra_info):
 
 
 def test_a_hanging_stage_is_named_by_the_watchdog_and_recovered(tmp_path, tiny_model_path, toy_data, ray_local,
-                                                                capsys):
+                                                                reference, capsys):
     from raygraph.run.trainer import run
 
     plugin = tmp_path / "hanging_reward.py"
@@ -255,4 +267,8 @@ def test_a_hanging_stage_is_named_by_the_watchdog_and_recovered(tmp_path, tiny_m
     assert failure["failed_step"] in (0, 1) and failure["cause"] == "no result within 20.0s"
     assert "rank 0" in failure["where"] and failure["dead_actors"] == []   # hung, not dead
     assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(run_dir), reference["colocated"]   # hang_once scores as toy_arith does
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))   # each step once
     print(f"\n[chaos] hang: {failure['where']}: {failure['cause']}")
