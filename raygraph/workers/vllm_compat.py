@@ -307,6 +307,7 @@ def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
         return
     layout = staging.write(bucket)
     engine.collective_rpc("raygraph_load_shared", args=(staging.path, staging.nbytes, layout))
+    staging.mapped()
 
 
 def finish_weight_update(engine: Any) -> None:

@@ -1,8 +1,9 @@
 """Weight buckets handed to vLLM's engine processes through shared memory, not through its RPC.
 
-    staging = Staging.for_engine(engine)            # one file in /dev/shm per engine, reused
+    staging = Staging.for_engine(engine, nbytes)    # one file in /dev/shm per engine, reused
     layout = staging.write(bucket)                  # the bucket's tensors copied into it, once
     engine.collective_rpc("raygraph_load_shared", args=(staging.path, staging.nbytes, layout))
+    staging.mapped()                                # the workers hold it: its name goes
     # in each engine worker:  model.load_weights(shared_tensors(path, nbytes, layout))
 
 vLLM's `collective_rpc` serialises its arguments into ZeroMQ messages: a bucket's bytes were
@@ -10,8 +11,9 @@ copied into Python bytes, into the message, through the socket and out again bef
 loaded them (538 MB of SmolLM2 took 0.73 s in transport alone, 1.27 s per full reload). Here the
 caller copies each tensor once into a file in /dev/shm that every engine worker maps; the RPC
 carries names, dtypes, shapes and offsets only, and each worker copies the tensors out of the
-mapping into `load_weights` (`shared_tensors`). The file is created at the first sync, grown when a bucket is larger, and
-deleted when the engine shuts down (or this process exits). Where /dev/shm is missing or too
+mapping into `load_weights` (`shared_tensors`). The file is made at the first sync (a new one
+when a bucket is larger) and its name removed as soon as the engine's workers have mapped it, so
+its memory goes back when the processes holding it exit, also when they are killed. Where /dev/shm is missing or too
 small for a bucket, `Staging.for_engine` gives None and the RPC path is used.
 """
 
@@ -40,10 +42,8 @@ class Staging:
     """One shared-memory file holding the bucket in flight to an engine's workers."""
 
     def __init__(self) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="raygraph-weights-", dir=_SHM)
-        os.close(fd)
-        self.nbytes, self._buffer = 0, torch.empty(0, dtype=torch.uint8)
-        self._cleanup = weakref.finalize(self, _unlink, self.path)
+        self.path, self.nbytes, self._buffer = "", 0, torch.empty(0, dtype=torch.uint8)
+        self._cleanup = None
 
     @classmethod
     def for_engine(cls, engine: Any, bucket_bytes: int) -> Staging | None:
@@ -72,13 +72,24 @@ class Staging:
         return layout
 
     def _resize(self, nbytes: int) -> None:
-        os.truncate(self.path, nbytes)
+        """A new, larger file (the engine's workers map it at the next bucket; `mapped` unlinks it)."""
+        self.close()
+        fd, self.path = tempfile.mkstemp(prefix="raygraph-weights-", dir=_SHM)
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+        self._cleanup = weakref.finalize(self, _unlink, self.path)
         self.nbytes = nbytes
         self._buffer = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
 
+    def mapped(self) -> None:
+        """Every engine worker has mapped the file (an RPC that read it returned): remove its name,
+        so that its memory goes back when the last process holding it exits, even by kill -9."""
+        if self._cleanup is not None:
+            self._cleanup()
+
     def close(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._cleanup()
+        self.mapped()
 
 
 def _unlink(path: str) -> None:
@@ -88,7 +99,7 @@ def _unlink(path: str) -> None:
         pass
 
 
-_MAPPED: dict[str, tuple[int, torch.Tensor]] = {}   # in an engine worker: path -> (size, mapping)
+_MAPPED: dict[str, tuple[int, torch.Tensor]] = {}   # in an engine worker: the newest path -> (size, mapping)
 
 
 def shared_tensors(path: str, nbytes: int, layout: Layout):
@@ -98,7 +109,8 @@ def shared_tensors(path: str, nbytes: int, layout: Layout):
     yet (a layer split over two buckets; attention layers until the end of the update), and the
     caller writes the next bucket into the same file."""
     size, buffer = _MAPPED.get(path, (0, None))
-    if buffer is None or size != nbytes:   # first bucket, or the caller grew the file
+    if buffer is None or size != nbytes:   # first bucket, or the caller grew the file: a new one
+        _MAPPED.clear()                     # the previous file's memory goes back
         buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         _MAPPED[path] = (nbytes, buffer)
     for name, dtype, shape, offset in layout:

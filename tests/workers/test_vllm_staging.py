@@ -25,19 +25,23 @@ def test_a_worker_reads_each_bucket_the_caller_wrote_and_the_file_goes_with_the_
     engine = SimpleNamespace()
     small = _bucket(0, {"a.weight": ((3, 5), torch.float32), "a.bias": ((5,), torch.bfloat16)})
     large = _bucket(1, {"b.weight": ((64, 33), torch.float32), "c.weight": ((7,), torch.float16)})
-    staging = Staging.for_engine(engine, 1024)
-    for bucket in (small, large, small):   # the file grows for the large bucket and is reused after
+    staging, paths = Staging.for_engine(engine, 1024), set()
+    for bucket in (small, large, small):   # a new file for the large bucket, reused after
         layout = staging.write(bucket)
+        paths.add(staging.path)
         assert all(offset % 64 == 0 for *_, offset in layout)
         read = list(shared_tensors(staging.path, staging.nbytes, layout))
+        staging.mapped()   # read by the worker: the name goes, the mappings stay valid
+        assert not os.path.exists(staging.path)
         assert [n for n, _ in read] == [n for n, _ in bucket]
         assert all(torch.equal(r, t) and r.dtype == t.dtype for (_, r), (_, t) in zip(read, bucket))
     assert Staging.for_engine(engine, 1024) is staging and staging.nbytes >= 64 * 33 * 4
     kept = read[0][1].clone()
-    staging.write(large)   # what a worker read is its own copy: the next bucket does not change it
+    layout = staging.write(large)   # what a worker read is its own copy: the next bucket does not change it
     assert torch.equal(read[0][1], kept)
+    assert torch.equal(next(shared_tensors(staging.path, staging.nbytes, layout))[1], large[0][1])
     staging.close()
-    assert not os.path.exists(staging.path)
+    assert len(paths) == 2 and not any(os.path.exists(p) for p in paths)   # nothing left behind
 
 
 def test_without_room_in_dev_shm_the_rpc_path_is_used(monkeypatch):
