@@ -30,7 +30,6 @@ __all__ = ["MIN_NEW_TOKENS", "MIN_PARAMS", "approx_params", "auto_engine", "auto
 MIN_PARAMS = 10e6       # measured: 1M (tiny preset "small") never won with vLLM; 25M and 135M did
 MIN_NEW_TOKENS = 64     # measured: 16 and 48 tokens lost with vLLM at 25M and 135M; 64 and 128 won
 _FIGURES = "docs/benchmarks.md, \"Which engine makes the step faster\""
-_SMALL_PRESETS = ("tiny", "small")
 
 
 def rollout_gpus(cfg: RaygraphConfig) -> float:
@@ -44,12 +43,15 @@ def approx_params(model_dir: str | Path) -> float | None:
     """Parameters of a decoder-only model from its config.json (embeddings, attention, MLP);
     None without a readable config (a hub id not downloaded yet)."""
     try:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-        hidden, layers, inter, vocab = (int(c[k]) for k in ("hidden_size", "num_hidden_layers",
-                                                             "intermediate_size", "vocab_size"))
-        kv = hidden * int(c.get("num_key_value_heads") or c["num_attention_heads"]) // int(c["num_attention_heads"])
+        return _params(json.loads((Path(model_dir) / "config.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
+
+
+def _params(c: dict) -> float:
+    hidden, layers, inter, vocab = (int(c[k]) for k in ("hidden_size", "num_hidden_layers",
+                                                         "intermediate_size", "vocab_size"))
+    kv = hidden * int(c.get("num_key_value_heads") or c["num_attention_heads"]) // int(c["num_attention_heads"])
     return float(vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter))
 
 
@@ -60,15 +62,23 @@ def auto_engine(cfg: RaygraphConfig) -> tuple[str, str]:
     if rollout_gpus(cfg) > 0:
         return "vllm", "the rollout runs on GPUs"
     params = approx_params(cfg.model.path)
-    if params is None and cfg.model.tiny is not None:
-        params = 1e6 if cfg.model.tiny in _SMALL_PRESETS else 25e6
-    size = "a model of unknown size" if params is None else f"a ~{params / 1e6:.0f}M-parameter model"
+    if params is None and cfg.model.tiny is not None:   # a tiny preset not built yet
+        params = _preset_params(cfg.model.tiny)
+    size = "a model of unknown size" if params is None else f"a ~{params / 1e6:.3g}M-parameter model"
     tokens = cfg.rollout.max_new_tokens
-    if (params is None or params >= MIN_PARAMS) and tokens >= MIN_NEW_TOKENS:
-        return "vllm", (f"the rollout runs on CPU with {size} and up to {tokens} new tokens, where vLLM gave "
-                        f"the faster training step ({_FIGURES})")
-    return "hf", (f"the rollout runs on CPU with {size} and up to {tokens} new tokens, where the HF sampler "
-                  f"gave the faster training step ({_FIGURES}); set rollout.engine=vllm to use vLLM")
+    vllm = (params is None or params >= MIN_PARAMS) and tokens >= MIN_NEW_TOKENS
+    why = (f"the rollout runs on CPU with {size} and up to {tokens} new tokens, where "
+           f"{'vLLM' if vllm else 'the HF sampler'} gave the faster training step ({_FIGURES})")
+    return ("vllm", why) if vllm else ("hf", why + "; set rollout.engine=vllm to use vLLM")
+
+
+def _preset_params(preset: str) -> float:
+    from raygraph.models.tiny import TINY_SIZES, build_tiny_tokenizer
+
+    hidden, layers, heads, kv_heads, inter = TINY_SIZES[preset]
+    config = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "intermediate_size": inter, "vocab_size": len(build_tiny_tokenizer())}
+    return _params(config)
 
 
 def auto_engine_line(cfg: RaygraphConfig) -> str | None:

@@ -301,7 +301,7 @@ def begin_weight_update(engine: Any) -> None:
 def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
     """Send one bucket (HF checkpoint names) to every engine worker and load it: through a
     shared-memory file where /dev/shm has room (`vllm_staging`), else as RPC arguments."""
-    staging = Staging.for_engine(engine, sum(t.numel() * t.element_size() for _, t in bucket))
+    staging = Staging.for_engine(engine, sum(t.nbytes for _, t in bucket))
     if staging is None:
         engine.collective_rpc("raygraph_load_bucket", args=(_to_wire(bucket),))
         return

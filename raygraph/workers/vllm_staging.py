@@ -13,8 +13,9 @@ caller copies each tensor once into a file in /dev/shm that every engine worker 
 carries names, dtypes, shapes and offsets only, and each worker copies the tensors out of the
 mapping into `load_weights` (`shared_tensors`). The file is made at the first sync (a new one
 when a bucket is larger) and its name removed as soon as the engine's workers have mapped it, so
-its memory goes back when the processes holding it exit, also when they are killed. Where /dev/shm is missing or too
-small for a bucket, `Staging.for_engine` gives None and the RPC path is used.
+its memory goes back when the processes holding it exit, also when they are killed. Where
+/dev/shm is missing or too small for a bucket, `Staging.for_engine` gives None and the RPC path
+is used.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Staging:
         """The engine's staging file (made at the first call), or None without room in /dev/shm."""
         staging = getattr(engine, "_raygraph_staging", None)
         grow = bucket_bytes - (staging.nbytes if staging is not None else 0)
-        if not os.path.isdir(_SHM) or shutil.disk_usage(_SHM).free < max(grow, 0) + (64 << 20):
+        if grow > 0 and (not os.path.isdir(_SHM) or shutil.disk_usage(_SHM).free < grow + (64 << 20)):
             return None   # keep 64 MiB of /dev/shm for others (Ray's object store may live there too)
         if staging is None:
             staging = cls()
@@ -62,13 +63,11 @@ class Staging:
         layout, offset = [], 0
         for name, tensor in bucket:
             layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset))
-            offset += _aligned(tensor.numel() * tensor.element_size())
+            offset += _aligned(tensor.nbytes)
         if offset > self.nbytes:
             self._resize(offset)
         for (_, _, _, start), (_, tensor) in zip(layout, bucket):
-            n = tensor.numel() * tensor.element_size()
-            view = self._buffer[start:start + n].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor.detach())
+            self._buffer[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
         return layout
 
     def _resize(self, nbytes: int) -> None:
@@ -115,5 +114,4 @@ def shared_tensors(path: str, nbytes: int, layout: Layout):
         _MAPPED[path] = (nbytes, buffer)
     for name, dtype, shape, offset in layout:
         dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
-        yield name, buffer[offset:offset + n].view(dt).view(shape).clone()
+        yield name, buffer[offset:offset + torch.Size(shape).numel() * dt.itemsize].view(dt).view(shape).clone()
