@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from raygraph.agents.env import EnvContractError, check_env_args, load_env
 from raygraph.agents.episode import AgentBudgets, Episode
-from raygraph.agents.reactions import EpisodeEnvs, Reaction, Reactor, RunClosed
+from raygraph.agents.reactions import EnvHostDied, EpisodeEnvs, LocalEnvs, Reaction, Reactor, RunClosed
 from raygraph.agents.tools import Toolbox
 from raygraph.agents.tools import tool_parser as tool_parser_fn
 from raygraph.agents.turns import TurnTemplate
@@ -43,6 +43,8 @@ from raygraph.errors import RaygraphError
 __all__ = ["AgentLoop", "EnvFailed", "TurnEngine"]
 
 log = logging.getLogger("raygraph")
+
+HOSTED_MARGIN_S = 5.0   # a hosted reaction's thread is hung only this long past env_timeout_s
 
 
 class EnvFailed(RaygraphError, RuntimeError):
@@ -80,7 +82,12 @@ class AgentLoop:
         tool_parser: how tool calls are found in a turn's text (a registered name or a reference).
         tool_timeout_s: one tool call's limit.
         env_timeout_s: one reaction's limit (tools + environment step), from when it starts.
-        env_workers: threads running reactions (environment steps, tools) at once.
+        env_workers: threads running reactions (environment steps, tools) at once (and, with
+            `env_hosts`, steps one host runs at once).
+        env_hosts: Ray actors hosting the environments (`raygraph.agents.env_hosts`); 0: in
+            this process, on the pool's threads.
+        env_host_cpus: CPUs of each host (its placement-group bundle).
+        plugins: the run's plugins, imported in each host.
         tool_role: the role of tool-result messages in the chat template ("tool").
         chat_template_kwargs: extra template variables (the data's; `tools=` is added here).
     """
@@ -88,15 +95,17 @@ class AgentLoop:
     def __init__(self, *, tokenizer: Any, stop_token_ids: Sequence[int], budgets: AgentBudgets | Mapping[str, int],
                  env: str | None = None, env_args: Mapping[str, Any] | None = None, tools: Sequence[str] = (),
                  tool_parser: str = "hermes", tool_timeout_s: float = 10.0, env_timeout_s: float | None = None,
-                 env_workers: int = 16, tool_role: str = "tool", chat_template_kwargs: dict | None = None) -> None:
+                 env_workers: int = 16, tool_role: str = "tool", chat_template_kwargs: dict | None = None,
+                 env_hosts: int = 0, env_host_cpus: float = 1.0, plugins: Sequence[str] = ()) -> None:
         if env is None and not tools:
             raise ValueError("an agent needs an environment (rollout.agent.env) or tools (rollout.agent.tools)")
         env_cls = load_env(env) if env else None
         if env_cls is not None and (problems := check_env_args(env_cls, dict(env_args or {}))):
             raise EnvContractError("; ".join(problems))
         toolbox = Toolbox(list(tools), timeout_s=tool_timeout_s) if tools else None
-        self.reactor = Reactor(env_cls, env_args or {}, toolbox, tool_parser_fn(tool_parser) if tools else None,
-                               tool_role)
+        self.reactor = Reactor(_env_runner(env, env_cls, env_args or {}, env_hosts, env_host_cpus, env_workers, plugins),
+                               env_cls.__name__ if env_cls else None, toolbox,
+                               tool_parser_fn(tool_parser) if tools else None, tool_role)
         kwargs = dict(chat_template_kwargs or {})
         if toolbox is not None:
             kwargs["tools"] = toolbox.schemas
@@ -105,6 +114,10 @@ class AgentLoop:
         self.template = TurnTemplate(tokenizer, kwargs, stop_token_ids)
         self.stop_token_ids = set(stop_token_ids)
         self.env_timeout_s, self.env_workers = env_timeout_s, env_workers
+        # when a thread counts as hung: hosted steps return at env_timeout_s themselves (their
+        # host restarts later), so only what runs in the thread past that and a margin is hung
+        self._deadline_s = None if env_timeout_s is None else \
+            env_timeout_s + (HOSTED_MARGIN_S if getattr(self.reactor.envs, "hosted", False) else 0.0)
         self.pool = ThreadPoolExecutor(env_workers, thread_name_prefix="raygraph-env")
         self.hung = 0   # reactions past env_timeout_s still holding a pool thread
 
@@ -114,7 +127,7 @@ class AgentLoop:
         """Run one episode per prompt to its end; `rows[i]` is given to episode i's environment."""
         episodes = [Episode(i, list(p), s, uid=row.get("uid"))
                     for i, (p, s, row) in enumerate(zip(prompts, seeds, rows, strict=True))]
-        envs = EpisodeEnvs(self.reactor.events)
+        envs = EpisodeEnvs(self.reactor.envs)
         waiting: dict[Future, Episode] = {}
         started: dict[int, float] = {}   # episode index -> when its reaction began running
         finished = False
@@ -141,6 +154,8 @@ class AgentLoop:
             for future in waiting:
                 future.cancel()
             envs.close_all()
+            if self.reactor.envs is not None:
+                self.reactor.envs.after_run()
         for ep in episodes:
             ep.check()
         return episodes
@@ -155,16 +170,16 @@ class AgentLoop:
     def _react(self, ep: Episode, envs: EpisodeEnvs, row: dict, text: str, raw: str,
                started: dict[int, float]) -> Reaction:
         started[ep.index] = time.monotonic()
-        return self.reactor.react(ep.index, envs, row, text, raw)
+        return self.reactor.react(ep.index, envs, row, text, raw, self.env_timeout_s)
 
     def _time_left(self, waiting: dict[Future, Episode], started: dict[int, float]) -> float | None:
         """Seconds until the first running reaction's deadline (None: no deadline)."""
-        if self.env_timeout_s is None:
+        if self._deadline_s is None:
             return None
         begun = [started[ep.index] for ep in waiting.values() if ep.index in started]
         # none begun: they wait for a thread, which a hung reaction may hold without waking `wait`;
         # look again shortly to start their clocks
-        return max(min(begun) + self.env_timeout_s - time.monotonic(), 0.0) if begun else 0.05
+        return max(min(begun) + self._deadline_s - time.monotonic(), 0.0) if begun else 0.05
 
     @staticmethod
     def _finished_turns(engine: TurnEngine) -> list[tuple[int, list[int], list[float]]]:
@@ -179,8 +194,8 @@ class AgentLoop:
         now = time.monotonic()
         for future, ep in list(waiting.items()):
             if not future.done():
-                if self.env_timeout_s is not None and ep.index in started \
-                        and now - started[ep.index] > self.env_timeout_s:
+                if self._deadline_s is not None and ep.index in started \
+                        and now - started[ep.index] > self._deadline_s:
                     del waiting[future]
                     started.pop(ep.index)
                     self._hung(ep)
@@ -189,11 +204,10 @@ class AgentLoop:
             started.pop(ep.index, None)
             try:
                 reaction = future.result()
-            except (EnvContractError, RunClosed):
+            except (EnvContractError, RunClosed, EnvHostDied):
                 raise
             except Exception as exc:  # noqa: BLE001 - a user environment: name it and the episode
-                cls = self.reactor.env_cls
-                raise EnvFailed(f"{cls.__name__ if cls else 'a tool'} raised in episode {ep.index} (uid {ep.uid!r}) "
+                raise EnvFailed(f"{self.reactor.env_name or 'a tool'} raised in episode {ep.index} (uid {ep.uid!r}) "
                                 f"after turn {ep.turns}: {type(exc).__name__}: {exc}") from exc
             self._advance(engine, ep, reaction)
 
@@ -218,6 +232,9 @@ class AgentLoop:
         """Account for a reaction, then end the episode or submit its next turn."""
         ep.env_s += reaction.seconds
         ep.tool_status.update(reaction.tool_status)
+        if reaction.timed_out:   # a hosted step past env_timeout_s: its host restarts after the run
+            ep.finish("env_timeout")
+            return
         if reaction.step is not None:
             ep.add_reward(reaction.step.reward)
         last_token = ep.tokens[-1] if ep.tokens else None
@@ -247,4 +264,16 @@ class AgentLoop:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.reactor.events.stop()
+        self.reactor.shutdown()
+
+
+def _env_runner(env: str | None, env_cls: type | None, env_args: Mapping[str, Any], hosts: int, cpus: float,
+                concurrency: int, plugins: Sequence[str]):
+    """Where the environments live: in Ray actors of their own (`hosts` > 0), else in this process."""
+    if env_cls is None:
+        return None
+    if hosts > 0:
+        from raygraph.agents.env_hosts import EnvHosts  # Ray, only when asked for: the loop runs without it
+
+        return EnvHosts(env, env_args, count=hosts, cpus=cpus, concurrency=concurrency, plugins=tuple(plugins))
+    return LocalEnvs(env_cls, env_args)

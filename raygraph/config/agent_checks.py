@@ -25,6 +25,9 @@ def agent_problems(cfg) -> list[str]:
                         "data.apply_chat_template=true")
     if agent.env is not None and cfg.reward.kind != "env":
         problems.append(f"rollout.agent.env gives the rewards, so set reward.kind=env (it is {cfg.reward.kind!r})")
+    if agent.env_hosts and agent.env is None:
+        problems.append("rollout.agent.env_hosts hosts environments: set rollout.agent.env (tools run in the "
+                        "rollout rank)")
     if agent.env is None and cfg.reward.kind == "env":
         problems.append("reward.kind=env needs an environment: set rollout.agent.env (tools alone give no reward)")
     total = agent.total_tokens(cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)

@@ -40,7 +40,14 @@ class AgentConfig(Section):
     env_timeout_s: float | None = Field(None, gt=0, description="One reaction's limit (tools + environment step); "
                                         "the episode then ends with truncation 'env_timeout'. null = none.")
     env_workers: int = Field(16, ge=1, description="Threads per rollout rank running environment steps and tools "
-                                                   "while the engine keeps generating.")
+                                                   "while the engine keeps generating (with env_hosts: also the "
+                                                   "steps one host runs at once).")
+    env_hosts: int = Field(0, ge=0, description="Ray actors per rollout rank hosting the environments, each on a "
+                           "placement-group bundle of its own (raygraph.agents.env_hosts): CPU-heavy environments "
+                           "run beside the engine, a step past env_timeout_s frees its thread at once and its host "
+                           "restarts, a crashing environment takes down its host only (the step is recovered). "
+                           "0 = in the rollout rank's threads.")
+    env_host_cpus: float = Field(1.0, gt=0, description="CPUs of each env host (its bundle).")
 
     _refs = field_validator("env", "tool_parser")(lambda value: _absolute(value))
 

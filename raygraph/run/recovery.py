@@ -39,8 +39,8 @@ import ray
 
 from raygraph.cluster import RoleError, WeightSyncError
 
-__all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nodes", "INFRASTRUCTURE_CAUSES", "ENGINE_DIED",
-           "LOST_PEER_SIGNS"]
+__all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nodes", "INFRASTRUCTURE_CAUSES",
+           "ACTOR_UNUSABLE", "LOST_PEER_SIGNS"]
 
 log = logging.getLogger("raygraph")
 
@@ -49,8 +49,10 @@ INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
-                         "RolloutEngineDied")   # a vLLM engine's processes died (vllm_deaths): rebuild it
-ENGINE_DIED = INFRASTRUCTURE_CAUSES[-1]
+                         "RolloutEngineDied",   # a vLLM engine's processes died (vllm_deaths): rebuild it
+                         "EnvHostDied")   # an environment host died (agents.env_hosts): rebuild its rollout actor
+# Causes after which the actor that raised is alive but of no use until it is started again.
+ACTOR_UNUSABLE = ("RolloutEngineDied", "EnvHostDied")
 
 
 # What a failed call says when a process it talked to vanished before Ray declared it dead: a

@@ -132,7 +132,8 @@ def _agent_args(cfg) -> dict:
                "max_message_tokens": a.max_message_tokens}
     return {"budgets": budgets, "env": a.env, "env_args": dict(a.env_args), "tools": list(a.tools),
             "tool_parser": a.tool_parser, "tool_timeout_s": a.tool_timeout_s, "env_timeout_s": a.env_timeout_s,
-            "env_workers": a.env_workers, "tool_role": a.tool_role,
+            "env_workers": a.env_workers, "tool_role": a.tool_role, "env_hosts": a.env_hosts,
+            "env_host_cpus": a.env_host_cpus, "plugins": tuple(cfg.plugins),
             "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
 
 

@@ -7,7 +7,8 @@ and run the step again, with no checkpoint reload.
             ─► push the policy's weights (checksummed) ─► graph again (same prompts, same seeds)
 
 An actor whose vLLM engine died (`RolloutEngineDied`: the actor answers, its engine does not)
-counts as dead: it is killed and started again the same way.
+or one of whose environment hosts died (`EnvHostDied`, `rollout.agent.env_hosts`) counts as dead:
+it is killed and started again the same way (with new hosts).
 
 Stateless: rollout, reward and the frozen models (the reference, and a workflow's extra roles
 such as a distillation teacher, all played by `ReferenceWorker`) hold nothing a checkpoint
@@ -40,7 +41,7 @@ import ray
 from raygraph.cluster import RoleError, RoleSpec
 from raygraph.cluster.restart import restart_actors, restartable
 from raygraph.config.role_kinds import kind_of
-from raygraph.run.recovery import ENGINE_DIED, Recoveries, failure_is_recoverable, lost_nodes
+from raygraph.run.recovery import ACTOR_UNUSABLE, Recoveries, failure_is_recoverable, lost_nodes
 
 __all__ = ["StageRunner", "stateless_roles"]
 
@@ -51,9 +52,9 @@ def stateless_roles(specs: dict[str, RoleSpec]) -> tuple[str, ...]:
     return tuple(r for r in specs if kind_of(r).restart == "stage")
 
 
-def _engine_died_in(exc: Exception) -> list[str]:
-    """[the actor] whose rollout engine died (`vllm_deaths.RolloutEngineDied`) in `exc`, else []."""
-    if isinstance(exc, RoleError) and exc.cause.startswith(ENGINE_DIED) and exc.actor_name:
+def _unusable_actor_in(exc: Exception) -> list[str]:
+    """[the actor] whose rollout engine or environment host died (`ACTOR_UNUSABLE`) in `exc`, else []."""
+    if isinstance(exc, RoleError) and exc.cause.startswith(ACTOR_UNUSABLE) and exc.actor_name:
         return [exc.actor_name]
     return []
 
@@ -102,7 +103,7 @@ class StageRunner:
     def _recover(self, exc: Exception, step: int, version: int) -> bool:
         # a collective's lost peer is waited for at run level; an actor whose vLLM engine died is
         # alive but of no use until it is started again
-        dead = self.roles.dead_actors() or _engine_died_in(exc)
+        dead = self.roles.dead_actors() or _unusable_actor_in(exc)
         if not dead or not failure_is_recoverable(exc, dead):
             return False
         if not all(restartable(self.roles, self.specs, n, self.stateless) for n in dead):

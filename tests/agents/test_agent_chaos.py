@@ -1,7 +1,10 @@
 """Chaos with episodes: the rollout+reward process dies in the middle of an episode of step 2
 (its environment kills it with SIGKILL); stage-level recovery starts that process alone, step 2's
 episodes run again from their start, every prompt is trained once (the ledger), and the final
-weights equal those of the same run never interrupted, bit for bit.
+weights equal those of the same run never interrupted, bit for bit. With the environments in hosts
+of their own (`rollout.agent.env_hosts`), the environment kills its host instead: the rollout
+actor is started again with new hosts, and the final weights equal the same uninterrupted run
+with in-process environments (so hosting changes no sample either).
 
 The HF engine samples, set explicitly (vLLM's three engine starts took ~70 of this test's 137 s
 in `make test` when `rollout.engine=auto` picked vLLM for any model path); a dead vLLM engine rebuilt and resampled
@@ -49,7 +52,7 @@ class DieInStep2(RetryWithFeedbackEnv):
 '''
 
 
-def _cfg(tmp_path: Path, model: str, env: Path, kill: bool, run_name: str):
+def _cfg(tmp_path: Path, model: str, env: Path, kill: bool, run_name: str, *extra: str):
     data = tmp_path / "data"
     return load_config(str(ROOT / "configs" / "demo_multiturn.yaml"), [
         f"model.path={model}", "model.tiny=null", f"run_name={run_name}", f"trainer.output_dir={tmp_path}",
@@ -58,31 +61,62 @@ def _cfg(tmp_path: Path, model: str, env: Path, kill: bool, run_name: str):
         f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.val_every=0", "trainer.warm_start=null",
         "checkpoint.keep_last=0", "checkpoint.save_hf=true", "logging.mlflow=false", "data.val_prompts=4",
         "trainer.resume=auto", "trainer.max_restarts=2", "placement.mode=disaggregated", "rollout.engine=hf",
-        f"rollout.agent.env={env}:DieInStep2", f"rollout.agent.env_args={{kill: {str(kill).lower()}}}"])
+        f"rollout.agent.env={env}:DieInStep2", f"rollout.agent.env_args={{kill: {str(kill).lower()}}}", *extra])
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / f"step_{STEPS}" / "hf" / "model.safetensors"))
 
 
-@pytest.mark.slow
-def test_a_rollout_rank_killed_mid_episode_reruns_its_step_and_changes_nothing(tmp_path, tiny_model_path, ray_local):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_path, ray_local):
+    """(the dying environment's file and folder, the final weights of the run never interrupted)."""
     from raygraph.run.trainer import run
 
-    run_dir = tmp_path / "demo_multiturn" / "chaos"
-    env, marker = tmp_path / "dying_env.py", tmp_path / "killed"
+    tmp_path = tmp_path_factory.mktemp("agent_chaos")
+    env = tmp_path / "dying_env.py"
+    env.write_text(DYING_ENV.format(ledger=str(tmp_path / "unused"), marker=str(tmp_path / "unused")))
+    return tmp_path, _final_weights(run(_cfg(tmp_path, tiny_model_path, env, False, "reference")).run_dir)
+
+
+def _chaos_run(tmp_path: Path, model: str, run_name: str, *extra: str) -> Path:
+    """A run whose environment kills its own process in the second turn of an episode of step 2;
+    checks the recovery records and the ledger, and returns the run's folder."""
+    from raygraph.batch import UID
+    from raygraph.run.feed import StepData
+    from raygraph.run.trainer import run
+
+    run_dir = tmp_path / "demo_multiturn" / run_name
+    env, marker = tmp_path / f"{run_name}_env.py", tmp_path / f"{run_name}_killed"
     env.write_text(DYING_ENV.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
-    reference = run(_cfg(tmp_path, tiny_model_path, env, False, "reference"))
-    summary = run(_cfg(tmp_path, tiny_model_path, env, True, "chaos"))
+    cfg = _cfg(tmp_path, model, env, True, run_name, *extra)
+    summary = run(cfg)
     assert marker.is_file() and summary.steps_done == STEPS
     records = [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["stage", "stage"] and records[0]["failed_step"] == 2
-    cfg = _cfg(tmp_path, tiny_model_path, env, True, "chaos")
-    from raygraph.batch import UID
-    from raygraph.run.feed import StepData
-
     data = StepData.load(cfg)
     order = {s: list(data.next_prompts(step=s, kl_coef=0.0)[UID]) for s in range(1, STEPS + 1)}
     assert check_ledger(run_dir, order) == []
-    final, ref = _final_weights(run_dir), _final_weights(reference.run_dir)
-    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    return run_dir
+
+
+def _same_weights(run_dir: Path, reference: dict[str, torch.Tensor]) -> bool:
+    final = _final_weights(run_dir)
+    return final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_killed_mid_episode_reruns_its_step_and_changes_nothing(uninterrupted, tiny_model_path):
+    tmp_path, reference = uninterrupted
+    assert _same_weights(_chaos_run(tmp_path, tiny_model_path, "chaos"), reference), \
+        "weights differ from the uninterrupted run"
+
+
+@pytest.mark.slow
+def test_an_env_host_killed_mid_episode_restarts_its_rollout_rank_and_changes_nothing(uninterrupted, tiny_model_path):
+    tmp_path, reference = uninterrupted
+    run_dir = _chaos_run(tmp_path, tiny_model_path, "hosted", "rollout.agent.env_hosts=2",
+                         "rollout.agent.env_host_cpus=0.5")
+    record = json.loads((run_dir / "recoveries.jsonl").read_text().splitlines()[0])
+    assert "EnvHostDied" in json.dumps(record)
+    assert _same_weights(run_dir, reference), "weights differ from the uninterrupted in-process run"
