@@ -44,6 +44,7 @@ ASYNC = {"placement.mode": "disaggregated", "placement.max_staleness": 1, "place
          "trainer.save_every": 2}
 
 
+@pytest.mark.timeout(900)   # three runs with vLLM engines: 212 s on a loaded 2-core machine (2026-12-03)
 def test_disaggregated_async_vllm_trains_and_resumes_exactly(assets, tmp_path, ray_local):
     """Two vLLM rollout ranks sampling one step ahead, weights over the collective group; stop after
     step 2 and resume: step 3 equals that of an uninterrupted 3-step run (vLLM's per-row seeds come

@@ -75,8 +75,8 @@ def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
         if alive is None or not failed:   # shut down by us, not dead
             return
         procs = [p for p in manager.processes if p.name == failed]
-        for proc in procs:
-            proc.join(timeout=1.0)   # its pipe closes before the kernel can report how it ended
+        for proc in procs:   # its pipe closes before the kernel can report how it ended; on a loaded
+            proc.join(timeout=JOIN_TIMEOUT_S)   # machine 1 s was not always enough to say how
         codes = [p.exitcode for p in procs if p.exitcode is not None]
         how = (f"was killed by signal {-codes[0]}" if codes and codes[0] < 0
                else f"exited with code {codes[0]}" if codes else "exited")
@@ -85,6 +85,9 @@ def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
         alive.outputs_queue.put_nowait(EngineDeadError())
 
     threading.Thread(target=watch, daemon=True, name="raygraph-engine-death").start()
+
+
+JOIN_TIMEOUT_S = 5.0   # how long the watcher waits to learn how a dead engine process ended
 
 
 class FirstError(logging.Handler):

@@ -85,6 +85,7 @@ class _EngineKiller:
             time.sleep(0.05)
 
 
+@pytest.mark.timeout(900)   # two runs and three engine starts: 300 s on a loaded 2-core machine (2026-12-03)
 def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_path, tiny_model_path, ray_local):
     from raygraph.data.toy import write_toy_dataset
     from raygraph.run.trainer import run
