@@ -38,6 +38,7 @@ _SLOWEST_FIRST = (
     "tests/run/test_chaos_vllm.py", "tests/agents/test_agent_workflows.py", "tests/agents/test_agent_rollout.py",
     "tests/cluster/test_runtime.py", "tests/test_lora_workflows.py", "tests/run/test_stop_exit_codes.py",
     "tests/test_distill.py", "tests/test_dapo_rounds.py", "tests/test_async.py", "tests/agents/test_agent_chaos.py",
+    "tests/run/test_recovery_policy.py",
     "tests/rewards/test_reward_pool.py", "tests/test_resume_runs.py", "tests/test_lora_vllm_training.py",
     "tests/cluster/test_real_workers.py", "tests/test_cli.py", "tests/workers/test_lora_vllm.py",
     "tests/workers/test_lora_vllm_adapter.py", "tests/workers/test_rollout_vllm.py",
