@@ -1,7 +1,8 @@
 """The recovery policy, shown by runs (docs/fault-tolerance.md): a plain exception ends the run at
 once (no retry, nothing recorded as a recovery); a process that keeps dying is recovered
 `trainer.max_restarts` times and then ends the run; a recovered run stays one MLflow run, whose
-metrics have each step once and the recovery counted at the redone step.
+metrics have each step once and the recovery counted at the redone step; a stage-level restart
+that fails falls back to run level, which redoes the steps since the newest checkpoint.
 
 The user's reward function is the fault: it raises, or kills its own process (the rollout+reward
 actor of a disaggregated layout, a stateless one: stage-level recovery), once step 1 is in the
@@ -25,6 +26,10 @@ import signal
 from pathlib import Path
 
 LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
+BREAK_IMPORT = MARKER.with_suffix(".break_import")
+if BREAK_IMPORT.exists():   # the first process to import this after the kill fails to start
+    BREAK_IMPORT.unlink()
+    raise ImportError("this reward cannot be imported right now")
 
 
 def _after_step_1():
@@ -39,6 +44,14 @@ def raise_in_step_2(response_text, ground_truth, extra_info):
 
 def die_in_every_step_2(response_text, ground_truth, extra_info):
     if _after_step_1():
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0
+
+
+def die_once_then_fail_the_restart(response_text, ground_truth, extra_info):
+    if _after_step_1() and not MARKER.exists():
+        MARKER.write_text("killed")
+        BREAK_IMPORT.write_text("")
         os.kill(os.getpid(), signal.SIGKILL)
     return 0.0
 
@@ -117,3 +130,18 @@ def test_a_recovered_run_stays_one_mlflow_run_with_each_step_once(tmp_path, tiny
     assert [(m.step, m.value) for m in recovered] == [(2, 1.0)]
     restart_s = client.get_metric_history(tracked.info.run_id, "recovery/restart_s")
     assert len(restart_s) == 1 and restart_s[0].value > 0
+
+
+def test_a_failed_stage_restart_falls_back_to_run_level_and_redoes_the_lost_steps(tmp_path, tiny_model_path,
+                                                                                   toy_data, ray_local, capsys):
+    # no checkpoint before the failure (save_every=0): run level starts over, step 1 is redone
+    run_dir, summary = _run(tmp_path, tiny_model_path, toy_data, "fallback", "die_once_then_fail_the_restart",
+                            "trainer.max_restarts=2", "logging.mlflow=false", "trainer.save_every=0")
+    assert not isinstance(summary, Exception), summary
+    assert summary.steps_done == STEPS and not (tmp_path / "fallback.break_import").exists()
+    assert "stage-level recovery failed" in capsys.readouterr().out
+    records = _lines(run_dir / "recoveries.jsonl")
+    assert [r["kind"] for r in records] == ["stage", "run", "run"] and records[0]["failed_step"] == 2
+    metrics = _lines(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]   # each step once, step 1 from the run after recovery
+    assert [m.get("recovery/redone_steps") for m in metrics if "recovery/redone_steps" in m] == [1.0]
