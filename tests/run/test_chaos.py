@@ -102,6 +102,10 @@ LAYOUTS = {
     "colocated": [],
     "disaggregated_2_ranks": ["placement.mode=disaggregated", "placement.train_workers=2",
                               "placement.rollout_workers=1"],
+    # two rollout+reward ranks: when one dies, the survivor sampled in the failed step too and
+    # must be rewound to the step's sampling RNG for the rerun to equal the uninterrupted run
+    "two_rollout_ranks": ["placement.mode=disaggregated", "placement.train_workers=1",
+                          "placement.rollout_workers=2"],
     # a KL term, and the reference (unsharded) on a pool of its own: an actor of its own
     "own_reference": ["placement.mode=disaggregated", "actor.kl_loss_coef=0.1",
                       'placement.pools={"train": {"bundles": 1}, "rollout": {"bundles": 1}, "ref": {"bundles": 1}}',
@@ -169,25 +173,33 @@ LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
 
 def die_in_step_3(response_text, ground_truth, extra_info):
     """Scores like toy_arith; the first call after step 2 is in the ledger kills its own process
-    (the rollout+reward actor) with SIGKILL, in the middle of step 3's reward stage."""
+    (the rollout+reward actor) with SIGKILL, in the middle of step 3's reward stage. One process
+    only, also with several ranks (the marker is created exclusively)."""
     if not MARKER.exists() and LEDGER.is_file() and '"step": 2' in LEDGER.read_text():
-        MARKER.write_text(json.dumps({{"killed_at": time.time(), "pid": os.getpid()}}))
+        try:
+            fd = os.open(MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:   # another rank won
+            return float(response_text.strip() == str(ground_truth))
+        os.write(fd, json.dumps({{"killed_at": time.time(), "pid": os.getpid()}}).encode())
+        os.close(fd)
         os.kill(os.getpid(), signal.SIGKILL)
     return float(response_text.strip() == str(ground_truth))
 '''
 
 
+@pytest.mark.parametrize("layout", ["disaggregated_2_ranks", "two_rollout_ranks"])
 def test_a_killed_rollout_actor_is_restarted_alone_and_its_step_rerun(tmp_path, tiny_model_path, toy_data,
-                                                                      ray_local, reference):
+                                                                      ray_local, reference, layout):
     """Stage-level recovery: the rollout+reward process (stateless) dies inside step 3; only it is
     started again, gets the policy's weights and the step's sampling RNG, and step 3 runs again
-    with no checkpoint loaded; the result equals the uninterrupted run bit for bit."""
+    with no checkpoint loaded; the result equals the uninterrupted run bit for bit. With two
+    rollout ranks, the surviving rank is rewound to the step's RNG too."""
     from raygraph.run.trainer import run
 
     run_dir = tmp_path / "grpo_toy" / "stage"
     plugin, marker = tmp_path / "self_killing_reward.py", tmp_path / "killed.json"
     plugin.write_text(SELF_KILLING_REWARD.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
-    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "stage", *LAYOUTS["disaggregated_2_ranks"],
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "stage", *LAYOUTS[layout],
                f"reward.function={plugin}:die_in_step_3")
     assert run_dir == tmp_path / cfg.experiment / "stage"
     summary = run(cfg)
@@ -195,7 +207,8 @@ def test_a_killed_rollout_actor_is_restarted_alone_and_its_step_rerun(tmp_path, 
 
     failure, done = _recoveries(run_dir)
     assert failure["kind"] == done["kind"] == "stage" and failure["failed_step"] == done["rerun_step"] == 3
-    assert failure["dead_actors"] == [f"{cfg.experiment}/stage/rollout+reward/0"] and done["weights_verified"] == 1.0
+    ranks = [f"{cfg.experiment}/stage/rollout+reward/{r}" for r in range(cfg.placement.rollout_workers)]
+    assert len(failure["dead_actors"]) == 1 and failure["dead_actors"][0] in ranks and done["weights_verified"] == 1.0
     killed_at = json.loads(marker.read_text())["killed_at"]
     print(f"\n[chaos] stage-level: failure detected {failure['time'] - killed_at:.2f}s after kill -9, "
           f"step 3 running again {done['restart_s']:.1f}s after detection")
@@ -203,7 +216,7 @@ def test_a_killed_rollout_actor_is_restarted_alone_and_its_step_rerun(tmp_path, 
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert [r for r in ledger if "resume_from" in r] == [{"resume_from": 0, "reason": "start"}]  # no reload
     assert check_ledger(run_dir, _expected_order(cfg)) == []
-    final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
+    final, ref = _final_weights(run_dir), reference[layout]
     assert final.keys() == ref.keys()
     assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
