@@ -128,7 +128,7 @@ class EnvHosts:
         self.load = [0] * count
         self._lock, self._next_key, self._hung = threading.Lock(), 0, set()
 
-    def open(self, row: dict, timeout_s: float | None) -> HostedEnv:
+    def open(self, row: dict) -> HostedEnv:
         """An episode's environment on the host with the fewest open ones (created there by its
         first step)."""
         with self._lock:
@@ -178,10 +178,8 @@ class EnvHosts:
     def after_run(self) -> None:
         """Restart every host still running a step that timed out (its environments are all closed
         or abandoned by now), so that no hung step outlives the rollout call."""
-        with self._lock:
+        with self._lock:   # `close_all` has run: no environment is open on any host
             hung, self._hung = sorted(self._hung), set()
-            for slot in hung:
-                self.load[slot] = 0
         for slot in hung:
             log.warning("restarting env host %d (pid %d): a step ran past rollout.agent.env_timeout_s",
                         slot, self.pids[slot])

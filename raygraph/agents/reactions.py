@@ -86,7 +86,7 @@ class LocalEnvs:
     def __init__(self, env_cls: type, env_args: Mapping[str, Any]) -> None:
         self.env_cls, self.env_args, self.events = env_cls, dict(env_args), EventLoop()
 
-    def open(self, row: dict, timeout_s: float | None) -> Any:
+    def open(self, row: dict) -> Any:
         return self.env_cls(dict(row), **self.env_args)
 
     def step(self, env: Any, text: str, calls: list[ToolCall], timeout_s: float | None) -> EnvStep:
@@ -134,14 +134,14 @@ class EpisodeEnvs:
     def __init__(self, runner) -> None:
         self._lock, self._envs, self._closed, self.runner = threading.Lock(), {}, False, runner
 
-    def get_or_open(self, index: int, row: dict, timeout_s: float | None = None) -> Any:
+    def get_or_open(self, index: int, row: dict) -> Any:
         with self._lock:
             if self._closed:
                 raise RunClosed("the run was closed")
             env = self._envs.get(index)
         if env is not None:
             return env
-        env = self.runner.open(row, timeout_s)   # outside the lock: a slow constructor holds up no other episode
+        env = self.runner.open(row)   # outside the lock: a slow constructor holds up no other episode
         with self._lock:
             if not self._closed:
                 self._envs[index] = env
@@ -184,11 +184,10 @@ class Reactor:
             reaction.tool_status.append(result.status)
             reaction.messages.append({"role": self.tool_role, "content": result.text})
         if self.envs is not None:
-            def left() -> float | None:
-                return None if timeout_s is None else max(timeout_s - (time.monotonic() - start), 0.0)
+            env = envs.get_or_open(index, row)
+            left = None if timeout_s is None else max(timeout_s - (time.monotonic() - start), 0.0)
             try:
-                env = envs.get_or_open(index, row, left())
-                reaction.step = self.envs.step(env, text, calls, left())
+                reaction.step = self.envs.step(env, text, calls, left)
             except EnvStepTimeout:
                 reaction.timed_out = True
             else:

@@ -44,15 +44,15 @@ __all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nod
 
 log = logging.getLogger("raygraph")
 
+# Causes after which the actor that raised is alive but of no use until it is started again: a vLLM
+# engine's processes died (workers/vllm_deaths), an environment host died (agents/env_hosts).
+ACTOR_UNUSABLE = ("RolloutEngineDied", "EnvHostDied")
 # RoleError causes (exception type names, or our own wording) that mean the infrastructure failed.
 INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError", "RayActorError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
-                         "RolloutEngineDied",   # a vLLM engine's processes died (vllm_deaths): rebuild it
-                         "EnvHostDied")   # an environment host died (agents.env_hosts): rebuild its rollout actor
-# Causes after which the actor that raised is alive but of no use until it is started again.
-ACTOR_UNUSABLE = ("RolloutEngineDied", "EnvHostDied")
+                         *ACTOR_UNUSABLE)
 
 
 # What a failed call says when a process it talked to vanished before Ray declared it dead: a
