@@ -26,6 +26,9 @@ class LoraConfig(Section):
         "head) or module-name suffixes such as [q_proj, v_proj]; each must name at least one nn.Linear.")
 
 
+CRITIC_LR = 1e-5   # a value head starts untrained: it learns faster than the policy
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
@@ -85,7 +88,8 @@ class ActorConfig(Section):
 
 class CriticConfig(Section):
     model_path: str | None = Field(None, description="Value model initialisation; null = model.path.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimizer.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=CRITIC_LR), description="Critic optimizer "
+                               f"(lr defaults to {CRITIC_LR}, also when only other optim keys are given).")
     grad_clip: float = Field(1.0, gt=0, description="Clip the critic's global gradient norm to this value.")
     ppo_epochs: int = Field(1, ge=1, description="Critic passes over each step's batch.")
     mini_batch_size: int | None = Field(None, ge=1, description="Samples per critic optimizer step; null = "
@@ -96,6 +100,12 @@ class CriticConfig(Section):
     value_clip: float = Field(0.5, gt=0, description="Clip new values to old values +- value_clip.")
     loss_agg: str = Field("token-mean", description="How token value losses are reduced, by name "
                                                     "(raygraph.algos.losses.AGG_MODES).")
+
+    @field_validator("optim", mode="before")
+    @classmethod
+    def _critic_lr_unless_given(cls, value):
+        # `critic.optim.weight_decay=0.1` alone must not drop the critic's lr to the policy's default
+        return {"lr": CRITIC_LR, **value} if isinstance(value, dict) else value
 
 
 class ReferenceConfig(Section):

@@ -19,9 +19,6 @@ class EnvRewardWorker:
     """Passes the environment's rewards on. Extras: `acc` (1 when the episode's return is > 0) and
     `return` (the episode's summed reward)."""
 
-    def __init__(self, **_unused) -> None:
-        pass
-
     def score(self, batch: Batch) -> Batch:
         if ENV_SCORES in batch:
             scores = batch[ENV_SCORES].float()
