@@ -52,6 +52,7 @@ INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
+                         "WeightSyncError",   # raised in a receiving actor: a bucket failed verification, ...
                          *ACTOR_UNUSABLE)
 
 

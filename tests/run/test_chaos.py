@@ -285,3 +285,112 @@ def test_a_hanging_stage_is_named_by_the_watchdog_and_recovered(tmp_path, tiny_m
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))   # each step once
     print(f"\n[chaos] hang: {failure['where']}: {failure['cause']}")
+
+
+# GRPO as the shipped workflow computes it (the same weights), with two faults a test can ask for:
+# the first attempt's weight sync flips a byte after its checksum; a reward call after the policy
+# update of the same step (its scores unused: the weights do not change).
+FAULTY_WORKFLOW = '''
+from pathlib import Path
+
+from raygraph.batch import EXTRA_INFO
+from raygraph.graph import InputNode, MultiOutputNode
+from raygraph.graph.fragments import advantages, rollout_columns
+
+ROLES = ("policy", "rollout", "reward")
+ESTIMATORS = ("grpo",)
+BUILT = Path({built!r})
+
+
+def once_updated(update, rollouts):
+    """The rollouts, each row's extra_info marked, once the update is done."""
+    infos = rollouts[EXTRA_INFO] if EXTRA_INFO in rollouts else [None] * len(rollouts)
+    return rollouts.with_columns(**{{EXTRA_INFO: [{{**(i or {{}}), "after_update": True}} for i in infos]}})
+
+
+def nothing(scores):
+    return {{}}
+
+
+def build(roles, cfg, *, corrupt_first_sync: bool = False, score_after_update: bool = False):
+    corrupt = corrupt_first_sync and not BUILT.exists()   # the first attempt's graph only
+    BUILT.touch()
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        batch = advantages(roles, cfg, roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts)), prompts)
+        update = roles.policy.bind("update", batch)
+        outputs = [roles.gather(update), roles.sync_weights(after=update, corrupt_bucket=0 if corrupt else None)]
+        if score_after_update:
+            late = roles.reward.bind("score", roles.apply(once_updated, roles.gather(update), rollouts))
+            outputs.append(roles.apply(nothing, late))
+        return MultiOutputNode(outputs)
+'''
+
+KILLED_AFTER_THE_UPDATE = '''
+import os
+import signal
+from pathlib import Path
+
+LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
+
+
+def die_after_the_update_of_step_3(response_text, ground_truth, extra_info):
+    """Scores like toy_arith; in step 3, the first call of the reward stage that runs after the
+    policy's update (its rows are marked) kills its own process, once."""
+    late = bool(extra_info and extra_info.get("after_update"))
+    if late and not MARKER.exists() and LEDGER.is_file() and '"step": 2' in LEDGER.read_text():
+        MARKER.write_text("killed")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(response_text.strip() == str(ground_truth))
+'''
+
+
+def _faulty_workflow(tmp_path: Path) -> str:
+    path = tmp_path / "faulty_grpo.py"
+    path.write_text(FAULTY_WORKFLOW.format(built=str(tmp_path / "built.marker")))
+    return f"workflow={path}:build"
+
+
+def test_a_failed_weight_sync_is_recovered_at_run_level(tmp_path, tiny_model_path, toy_data, ray_local, reference):
+    """A bucket that fails verification in step 1's weight sync (a byte flipped in transit) is
+    recoverable: the run is started again (no checkpoint yet), its syncs verify, and it ends
+    equal to the uninterrupted run."""
+    from raygraph.run.trainer import run
+
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "badsync", *LAYOUTS["disaggregated_2_ranks"],
+               _faulty_workflow(tmp_path), "workflow_args.corrupt_first_sync=true")
+    summary = run(cfg)
+    assert summary.steps_done == STEPS
+    failure, resumed = _recoveries(summary.run_dir)
+    assert failure["kind"] == "run" and failure["failed_step"] == 1 and failure["cause"] == "WeightSyncError"
+    assert "'weight_recv'" in failure["where"] and failure["dead_actors"] == []
+    assert resumed["resumed_from"] == 0
+    assert check_ledger(summary.run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(summary.run_dir), reference["disaggregated_2_ranks"]
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+    metrics = [json.loads(line) for line in (summary.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert all(m["weights/verified"] == 1.0 for m in metrics)
+
+
+def test_a_stateless_actor_killed_after_the_update_goes_to_run_level(tmp_path, tiny_model_path, toy_data,
+                                                                     ray_local, reference, capsys):
+    """Never trained twice: the rollout+reward process (stateless) dies in step 3 after the policy
+    updated; rerunning the step would update again, so the run resumes from step 2's checkpoint
+    instead, and ends equal to the uninterrupted run (a stage-level rerun would not)."""
+    from raygraph.run.trainer import run
+
+    run_dir, marker = tmp_path / "grpo_toy" / "late", tmp_path / "killed.marker"
+    plugin = tmp_path / "late_reward.py"
+    plugin.write_text(KILLED_AFTER_THE_UPDATE.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "late", *LAYOUTS["disaggregated_2_ranks"],
+               _faulty_workflow(tmp_path), "workflow_args.score_after_update=true",
+               f"reward.function={plugin}:die_after_the_update_of_step_3")
+    summary = run(cfg)
+    assert marker.is_file() and summary.steps_done == STEPS
+    assert "not recovering at stage level (a trained role already updated)" in capsys.readouterr().out
+    failure, resumed = _recoveries(run_dir)
+    assert failure["kind"] == "run" and failure["failed_step"] == 3 and resumed["resumed_from"] == 2
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
