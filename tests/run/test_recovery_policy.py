@@ -23,6 +23,7 @@ STEPS = 3
 FAULTY_REWARD = '''
 import os
 import signal
+import time
 from pathlib import Path
 
 LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
@@ -40,6 +41,13 @@ def raise_in_step_2(response_text, ground_truth, extra_info):
     if _after_step_1():
         raise ValueError("the reward service said no")
     return 0.0
+
+
+def hang_once_then_raise(response_text, ground_truth, extra_info):
+    if not MARKER.exists():
+        MARKER.write_text("hung")
+        time.sleep(60)
+    raise ValueError("the reward service said no")
 
 
 def die_in_every_step_2(response_text, ground_truth, extra_info):
@@ -102,6 +110,18 @@ def test_a_plain_exception_ends_the_run_at_once_without_a_retry(tmp_path, tiny_m
     assert isinstance(outcome, Exception) and "the reward service said no" in str(outcome)
     assert _lines(run_dir / "recoveries.jsonl") == []   # not retried: restarting cannot cure the code
     assert [m["step"] for m in _lines(run_dir / "metrics.jsonl")] == [1]
+
+
+def test_the_reward_settings_of_the_config_reach_the_reward_worker_of_a_run(tmp_path, tiny_model_path, toy_data,
+                                                                             ray_local):
+    # on_error=zero, a pool of one process and a 2 s timeout: the first call hangs (1 timeout in 16
+    # samples), the other 15 raise; the run goes on with those calls scored 0
+    run_dir, summary = _run(tmp_path, tiny_model_path, toy_data, "zeroed", "hang_once_then_raise", "trainer.total_steps=1",
+                            "trainer.val_before_train=false",
+                            "reward.on_error=zero", "reward.workers=1", "reward.timeout_s=2", "logging.mlflow=false")
+    assert not isinstance(summary, Exception), summary
+    (metrics,) = _lines(run_dir / "metrics.jsonl")
+    assert (metrics["reward/errors"], metrics["reward/timeouts"], metrics["reward/mean"]) == (15 / 16, 1 / 16, 0.0)
 
 
 def test_recoveries_stop_at_trainer_max_restarts(tmp_path, tiny_model_path, toy_data, ray_local, capsys):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOY = str(ROOT / "configs" / "grpo_toy.yaml")
 
 
-def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+def _start(tmp_path: Path, *overrides: str, own_group: bool = False) -> subprocess.Popen:
     out = tmp_path / "runs"
     args = [sys.executable, "-m", "raygraph.cli", "train", TOY, "run_name=stopped",
             f"trainer.output_dir={out}",
@@ -29,11 +29,13 @@ def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
             f"data.val_files=[{tmp_path / 'toy' / 'val.parquet'}]", "logging.mlflow=false",
             "trainer.total_steps=1000", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=own_group)
 
 
-def _signal_on(proc: subprocess.Popen, marker: str, timeout_s: float = 240) -> tuple[int, str]:
-    """Send SIGTERM once `marker` is printed; return (exit code, whole output)."""
+def _signal_on(proc: subprocess.Popen, marker: str, timeout_s: float = 240,
+               send=lambda proc: proc.send_signal(signal.SIGTERM)) -> tuple[int, str]:
+    """`send` a signal (SIGTERM to the process) once `marker` is printed; return (exit code, whole output)."""
     lines: list[str] = []
     seen = threading.Event()
 
@@ -42,7 +44,7 @@ def _signal_on(proc: subprocess.Popen, marker: str, timeout_s: float = 240) -> t
             lines.append(line)
             if marker in line and not seen.is_set():
                 seen.set()
-                proc.send_signal(signal.SIGTERM)
+                send(proc)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -71,3 +73,13 @@ def test_sigterm_during_set_up_exits_143_without_a_crash_dump(tmp_path):
     assert "stop requested (signal 15)" in out and "Traceback" not in out
     assert "[raygraph] step 1/" not in out                   # no step started after the stop
     assert not list((tmp_path / "runs").glob("grpo_toy/stopped/checkpoints/step_*"))
+
+
+def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
+    # a terminal's Ctrl-C sends SIGINT to the whole foreground process group: the command and the
+    # local Ray it started (raylet, GCS, workers) get it at once
+    proc = _start(tmp_path, own_group=True)
+    code, out = _signal_on(proc, "[raygraph] step 1/1000", send=lambda p: os.killpg(p.pid, signal.SIGINT))
+    assert code == 128 + signal.SIGINT, out[-3000:]
+    assert "stop requested (signal 2)" in out and "[raygraph] checkpoint written:" in out
+    assert "[raygraph] stopped after step" in out and "Traceback" not in out
