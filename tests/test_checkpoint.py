@@ -111,3 +111,23 @@ def test_a_broken_trainer_state_is_a_checkpoint_error_not_a_json_error(tmp_path)
     (tmp_path / "trainer_state.json").write_text("")
     with pytest.raises(checkpoint.CheckpointError, match="cannot read trainer_state.json"):
         checkpoint.read_trainer_state(tmp_path)
+
+
+def test_a_checkpoint_without_a_manifest_is_not_loaded_and_nothing_is_hashed(tmp_path, monkeypatch):
+    """A checkpoint written before checksums (no MANIFEST.json, `extra_rank*.pt`) is refused before any
+    file is read for a checksum; start a new run from its hf/ weights (docs/guarantees.md)."""
+    def no_checksum(path):
+        raise AssertionError(f"{path} was hashed")
+
+    ckpt = _write(tmp_path, 3)
+    (ckpt / "policy" / "extra_rank0.pt").write_bytes(b"\x80\x04 an old pickle")
+    (ckpt / checkpoint.MANIFEST).unlink()
+    monkeypatch.setattr(checkpoint, "_sha256", no_checksum)
+    message = f"checkpoint {ckpt} has no MANIFEST.json (written by raygraph before checksums); it cannot be verified"
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.resolve_resume(str(ckpt), tmp_path)
+    assert str(info.value) == message
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.resolve_resume("auto", tmp_path)   # the only checkpoint: an error, not a fresh start
+    assert str(info.value).startswith(f"every checkpoint of {tmp_path} is damaged: {message}. To start again: ")
+    assert ckpt.is_dir()

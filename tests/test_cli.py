@@ -169,6 +169,21 @@ def test_data_toy(tmp_path, capsys):
     assert len(train) == 8 and train[0].data_source == "toy_arith"
 
 
+def test_data_word_problems_writes_the_splits(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from raygraph.data.word_problems import DATA_SOURCE, word_problems
+
+    out = tmp_path / "wp"
+    assert main(["data", "word-problems", "--out", str(out), "--n-train", "6", "--n-val", "3", "--seed", "2"]) == 0
+    assert capsys.readouterr().out == f"wrote {out / 'train.parquet'} (6 rows) and {out / 'val.parquet'} (3 rows)\n"
+    assert sorted(p.name for p in out.iterdir()) == ["train.parquet", "val.parquet"]
+    train, val = (pq.read_table(out / f"{name}.parquet").to_pylist() for name in ("train", "val"))
+    assert [(r["prompt"][1]["content"], r["reward_model"]["ground_truth"]) for r in val] == word_problems(3, seed=2)
+    assert len(train) == 6 and {r["data_source"] for r in train + val} == {DATA_SOURCE}
+    assert not {r["prompt"][1]["content"] for r in train} & {r["prompt"][1]["content"] for r in val}
+
+
 def test_data_gsm8k_missing_input(tmp_path, capsys):
     assert main(["data", "gsm8k", "--input", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -187,6 +202,26 @@ def test_train_names_a_tokenizer_without_chat_template_and_the_fix(tmp_path, cap
     assert code == 2, err   # BadData: fix the input and rerun
     assert f"the tokenizer at {model} has no chat template" in err and "data.apply_chat_template=false" in err
     assert "Traceback" not in err
+
+
+def test_a_raygraph_error_is_one_line_and_raygraph_debug_shows_its_traceback(monkeypatch, capsys):
+    import traceback
+
+    from raygraph.run import checkpoint, trainer
+
+    def failing_run(cfg, address=None):
+        raise checkpoint.CheckpointError("checkpoint runs/x/step_3 has no MANIFEST.json")
+
+    monkeypatch.setattr(trainer, "run", failing_run)
+    monkeypatch.delenv("RAYGRAPH_DEBUG", raising=False)
+    assert main(["train", TOY]) == 1   # a checkpoint error: the run failed
+    assert capsys.readouterr().err == ("raygraph train: CheckpointError: checkpoint runs/x/step_3 has no "
+                                       "MANIFEST.json\n")
+    monkeypatch.setenv("RAYGRAPH_DEBUG", "1")
+    with pytest.raises(checkpoint.CheckpointError) as info:   # raised on: the interpreter prints its traceback
+        main(["train", TOY])
+    shown = "".join(traceback.format_exception(info.value))
+    assert shown.startswith("Traceback (most recent call last):") and "in failing_run" in shown
 
 
 def test_the_demo_trains_from_another_folder_into_another_output_folder(tmp_path, monkeypatch, ray_local,

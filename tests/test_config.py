@@ -359,6 +359,21 @@ def test_cross_field_check(overrides, message):
     assert len(found) == 1 and found[0].startswith(message), found
 
 
+def test_the_importance_weight_cap_defaults_to_2_and_must_be_at_least_1():
+    assert build_config(MINIMAL).algorithm.is_cap == 2.0
+    assert build_config(MINIMAL, ["algorithm.is_cap=1"]).algorithm.is_cap == 1.0   # w = min(ratio, 1)
+    assert problems(MINIMAL, ("algorithm.is_cap=0.99",)) == [
+        "algorithm.is_cap=0.99: input should be greater than or equal to 1 (from override algorithm.is_cap=0.99)"]
+
+
+def test_a_reward_timeout_needs_a_scoring_pool():
+    # reward.workers=0 (the default) calls the functions in the reward actor: nothing can interrupt them
+    assert problems(MINIMAL, ("reward.timeout_s=10",)) == [
+        "reward.timeout_s needs reward.workers >= 1: a call in the reward actor itself cannot be interrupted"]
+    assert problems(MINIMAL, ("reward.timeout_s=10", "reward.workers=0")) == problems(MINIMAL, ("reward.timeout_s=10",))
+    assert build_config(MINIMAL, ["reward.timeout_s=10", "reward.workers=2"]).reward.timeout_s == 10.0
+
+
 def test_colocated_rollout_workers_follow_train_workers_unless_set():
     # before: placement.train_workers=2 alone was refused (rollout_workers 1 != 2), colocated or not
     assert build_config(MINIMAL, ["placement.train_workers=2"]).placement.rollout_workers == 2
@@ -395,6 +410,23 @@ def test_unset_advantage_becomes_the_workflows_default():
 def test_the_config_must_match_what_the_workflow_declares(overrides, message):
     found = problems(MINIMAL, overrides)
     assert len(found) == 1 and found[0].startswith(message), found
+
+
+def test_a_workflow_without_estimators_accepts_every_registered_one_and_defaults_to_grpo(tmp_path):
+    from raygraph.algos import advantages
+
+    (tmp_path / "algo.py").write_text("def build(roles, cfg):\n    return None\n")
+    undeclared = f"workflow={tmp_path / 'algo.py'}:build"
+    assert build_config(MINIMAL, [undeclared]).algorithm.advantage == "grpo"
+    assert {"grpo", "rloo", "gae", "remax", "reinforce_pp"} <= set(advantages.names())
+    for name in advantages.names():
+        assert build_config(MINIMAL, [undeclared, f"algorithm.advantage={name}"]).algorithm.advantage == name
+    # declared: the first is the default and the others are refused
+    (tmp_path / "declared.py").write_text('ESTIMATORS = ("rloo",)\n\ndef build(roles, cfg):\n    return None\n')
+    declared = f"workflow={tmp_path / 'declared.py'}:build"
+    assert build_config(MINIMAL, [declared]).algorithm.advantage == "rloo"
+    [problem] = problems(MINIMAL, (declared, "algorithm.advantage=grpo"))
+    assert problem.startswith("algorithm.advantage='grpo' is not an estimator that workflow")
 
 
 def test_estimator_needs_are_read_from_the_registry():

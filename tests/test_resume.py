@@ -88,6 +88,22 @@ def test_a_tiny_model_run_resumes_into_another_output_dir(out, tmp_path):
     assert load_config(ctx.run_dir / "config.yaml") == ctx.cfg     # the resolved config loads back as it was
 
 
+def test_keys_only_one_side_has_are_not_compared(out):
+    """A checkpoint written by another raygraph version: a key it has that this one lacks, and one this
+    one has that it lacks, are no change; a key both have is still compared."""
+    assert resume.config_changes({"actor": {"lr": 1, "old_knob": 2}, "gone": {"x": 3}},
+                                 {"actor": {"lr": 5, "new_knob": 4}, "added": 6}) == {"actor.lr": (1, 5)}
+    cfg = _cfg(out, run_name="versions")
+    saved = cfg.model_dump(mode="json")
+    saved["actor"]["optim"]["retired_knob"] = 0.5   # only in the checkpoint's config
+    del saved["rollout"]["top_k"]                   # only in the new one
+    run_dir = Path(cfg.trainer.output_dir) / cfg.experiment / cfg.run_name
+    with checkpoint.CheckpointWriter(run_dir, 2, {"sampler": {}, "kl_controller": {}, "config": saved}):
+        pass
+    plan = resume.plan(cfg, run_dir)
+    assert plan.step == 2 and plan.overrides == {}
+
+
 def test_every_resumable_key_names_a_setting():
     cfg = load_config(TOY).model_dump(mode="json")
     for key in resume.RESUMABLE:

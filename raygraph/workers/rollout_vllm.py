@@ -103,7 +103,7 @@ class VLLMRolloutWorker:
                  stop_token_ids: Sequence[int] = (), max_model_len: int | None = None,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                  enable_sleep_mode: bool = False, enable_prefix_caching: bool | None = None,
-                 enforce_eager: bool = False, max_num_seqs: int | None = None, lora: LoraSpec | None = None,
+                 enforce_eager: bool = True, max_num_seqs: int | None = None, lora: LoraSpec | None = None,
                  lora_sync: str = "merged", agent: dict | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")

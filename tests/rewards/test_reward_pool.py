@@ -135,6 +135,36 @@ def test_weighted_functions_sum_and_each_has_its_column(tokenizer_path, user_fil
     assert out["reward_extra.format_ok"].tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]   # keep their names
 
 
+SHAPE = '''
+from raygraph.rewards.registry import RewardResult
+
+
+def shape(response_text, ground_truth, extra_info):
+    return RewardResult(len(response_text) / 10, {"acc": float(response_text.startswith("7")),
+                                                  "long": float(len(response_text) > 1)})
+'''
+
+
+def test_a_later_functions_extras_are_logged_under_its_name(tokenizer_path, tmp_path, batch):
+    from raygraph.graph.step_metrics import rollout_metrics
+
+    (tmp_path / "shape.py").write_text(SHAPE)
+    functions = [{"function": "toy_arith", "weight": 1.0},
+                 {"function": f"{tmp_path / 'shape.py'}:shape", "weight": 0.5, "name": "shape"}]
+    rows = batch.select([0, 2, 3, 4, 5])   # texts 7, 17, 7, x, 77 against "7"
+    out = RuleRewardWorker(tokenizer_path, functions=functions).score(rows)
+    # toy_arith: 1 on rows 0 and 2; shape: len / 10 = 0.1, 0.2, 0.1, 0.1, 0.2, times 0.5
+    assert scores_of(out) == [1.05, 0.1, 1.05, 0.05, 0.1]
+    assert out["reward_extra.acc"].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]         # toy_arith's: validation reads it
+    assert out["reward_extra.shape/acc"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]   # starts with 7
+    assert out["reward_extra.shape/long"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
+    metrics = rollout_metrics(rows.union(out))
+    assert metrics["reward/acc"] == pytest.approx(2 / 5) and metrics["reward/format_ok"] == pytest.approx(4 / 5)
+    assert metrics["reward/shape/acc"] == pytest.approx(3 / 5) and metrics["reward/shape/long"] == pytest.approx(2 / 5)
+    assert metrics["reward/shape/mean"] == pytest.approx(0.14) and metrics["reward/toy_arith/mean"] == pytest.approx(0.4)
+    assert "reward/long" not in metrics
+
+
 def test_the_pool_sees_the_plugins_registered_names(tmp_path):
     (tmp_path / "my_plugin.py").write_text(USER_PLUGIN)
     # this process never imports the file: only the pool's processes register "length_tenths"
