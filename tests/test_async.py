@@ -29,6 +29,7 @@ from raygraph.batch import (
 )
 from raygraph.config import ConfigError, load_config
 from raygraph.graph import corrections
+from raygraph.workers.prefetch import KEPT_COLUMNS, KEPT_TENSORS, STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "configs" / "toy" / "grpo_kl_loss.yaml"   # disaggregated: policy+reference | rollout+reward
@@ -88,7 +89,10 @@ def test_checkpoint_keeps_the_prefetched_rollouts(rollout, tiny_model_path, tmp_
                        rollout.take_or_generate(_prompts(["e"]))[RESPONSES])
     other.save_checkpoint(tmp_path / "empty")                  # nothing kept: no file, and loads empty
     rollout.load_checkpoint(tmp_path / "empty")
-    assert rollout.prefetched.kept == {} and not (tmp_path / "empty" / "prefetched.pkl").exists()
+    assert rollout.prefetched.kept == {}   # as a synchronous run's checkpoint: the next step samples fresh
+    assert (tmp_path / "empty" / STATE_FILE).is_file()
+    assert not (tmp_path / "empty" / KEPT_COLUMNS).exists() and not (tmp_path / "empty" / KEPT_TENSORS).exists()
+    assert (tmp_path / KEPT_COLUMNS).is_file() and (tmp_path / KEPT_TENSORS).is_file()
 
 
 # --- driver: lookahead without moving the sampler --------------------------------------------------
@@ -257,6 +261,9 @@ def test_async_grpo_trains_one_step_off_policy(async_run):
         assert row["weights/rollout_version_min"] == row["weights/version"] - 2
         assert row["rollout/is_weight_mean"] != 1.0 and row["rollout/is_weight_max"] <= 1.2 + 1e-6  # float32
     assert any(row["rollout/is_clipfrac"] > 0 for row in later)
+    # the last step prefetched too (the next step's prompts), and the final checkpoint keeps it
+    final = async_run.run_dir / "checkpoints" / "step_3" / "rollout"
+    assert all(len(json.loads((final / f"rank{r}" / KEPT_COLUMNS).read_text())) == 1 for r in (0, 1))
 
 
 def test_async_resume_continues_exactly(async_run, shared_assets, tmp_path):
