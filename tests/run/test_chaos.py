@@ -132,7 +132,7 @@ def reference(tmp_path_factory, tiny_model_path, toy_data, ray_local):
     ("colocated", "coordinator"),           # the actor that runs whole-batch steps
 ])
 def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_path, toy_data, ray_local,
-                                                          reference, layout, victim, capsys):
+                                                          reference, layout, victim, capsys, caplog):
     from raygraph.run.trainer import run
 
     cfg = _cfg(tmp_path, tiny_model_path, toy_data, "chaos", *LAYOUTS[layout])
@@ -149,6 +149,8 @@ def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_pa
     print(f"\n[chaos] {layout}/{killer.victim}: failure detected {detected_s:.2f}s after kill -9, "
           f"training again {resumed['restart_s']:.1f}s after detection")
     assert detected_s < 10
+    # a dead rank's state is gone: no checkpoint is attempted on the way out (not even a skipped one)
+    assert "run failed" not in caplog.text and "checkpointing it before exiting" not in caplog.text
 
     assert check_ledger(run_dir, _expected_order(cfg)) == []          # none lost, none repeated
     final = _final_weights(run_dir)
