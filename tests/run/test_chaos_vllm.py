@@ -1,8 +1,11 @@
-"""Chaos with the vLLM engine: kill -9 the engine process of a disaggregated rollout rank in the
+"""Chaos with the vLLM engine. Disaggregated: kill -9 the engine process of a rollout rank in the
 middle of a run. The rank's actor lives on with a dead engine (`RolloutEngineDied`); stage-level
 recovery starts that actor again (a new engine), pushes the policy's weights into it, rewinds the
-sampling RNG and runs the step again, with no checkpoint loaded. The final weights equal those of
-an uninterrupted run: per-row seeds make the new engine sample what the old one would have."""
+sampling RNG and runs the step again, with no checkpoint loaded. Colocated: kill -9 the process
+that holds the policy and the engine; run-level recovery rebuilds it and resumes from the newest
+checkpoint. Either way the final weights equal those of an uninterrupted run: per-row seeds make
+the new engine sample what the old one would have (one uninterrupted run serves both: colocated
+and disaggregated layouts compute the same weights)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ TOY = str(ROOT / "configs" / "grpo_toy.yaml")
 STEPS = 3
 
 
-def _cfg(tmp_path: Path, model: str, data: Path, run_name: str):
+def _cfg(tmp_path: Path, model: str, data: Path, run_name: str, *extra: str):
     return load_config(TOY, [f"model.path={model}", "model.tiny=null", f"run_name={run_name}",
                              f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
                              f"trainer.output_dir={tmp_path}", f"trainer.total_steps={STEPS}",
@@ -35,7 +38,7 @@ def _cfg(tmp_path: Path, model: str, data: Path, run_name: str):
                              "logging.mlflow=false", "trainer.max_restarts=1", "rollout.engine=vllm",
                              "placement.mode=disaggregated", "placement.train_workers=1",
                              "placement.rollout_workers=1", "actor.entropy_coef=0.5", "actor.optim.lr=0.01",
-                             "trainer.step_timeout_s=60"])
+                             "trainer.step_timeout_s=60", *extra])
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -85,14 +88,27 @@ class _EngineKiller:
             time.sleep(0.05)
 
 
-@pytest.mark.timeout(900)   # two runs and three engine starts: 300 s on a loaded 2-core machine (2026-12-03)
-def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_path, tiny_model_path, ray_local):
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
     from raygraph.data.toy import write_toy_dataset
+
+    out = tmp_path_factory.mktemp("chaos_vllm_data")
+    write_toy_dataset(out, n_train=24, n_val=4, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_path, data, ray_local):
+    """The final weights of an uninterrupted disaggregated run."""
     from raygraph.run.trainer import run
 
-    data = tmp_path / "data"
-    write_toy_dataset(data, n_train=24, n_val=4, seed=0)
-    reference = _final_weights(run(_cfg(tmp_path / "ref", tiny_model_path, data, "ref")).run_dir)
+    return _final_weights(run(_cfg(tmp_path_factory.mktemp("ref"), tiny_model_path, data, "ref")).run_dir)
+
+
+@pytest.mark.timeout(900)   # two runs and three engine starts: 300 s on a loaded 2-core machine (2026-12-03)
+def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_path, tiny_model_path, ray_local,
+                                                                         data, reference):
+    from raygraph.run.trainer import run
 
     cfg = _cfg(tmp_path / "chaos", tiny_model_path, data, "chaos")
     run_dir = tmp_path / "chaos" / cfg.experiment / "chaos"
@@ -122,3 +138,46 @@ def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_pa
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert metrics[failed_step - 1].get("recovery/stage_count") == 1.0
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_colocated_policy_and_vllm_process_resumes_from_its_checkpoint(tmp_path, tiny_model_path,
+                                                                                ray_local, data, reference):
+    """The one process of a colocated rank (policy, vLLM engine, reward) is killed after step 1:
+    its engine processes go with it, the run resumes from the newest checkpoint with a new engine
+    (weights loaded from the checkpoint, RNG restored) and ends with the uninterrupted run's weights."""
+    import psutil
+    import ray
+
+    from raygraph.run.trainer import run
+
+    cfg = _cfg(tmp_path, tiny_model_path, data, "colocated", "placement.mode=colocated", "trainer.save_every=1",
+               "trainer.resume=auto")
+    run_dir = tmp_path / cfg.experiment / "colocated"
+    killed: dict = {}
+
+    def kill_after_step_1():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            if 1 in effective_steps(run_dir):
+                name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                            if a["name"].startswith(f"{cfg.experiment}/colocated/") and "policy" in a["name"])
+                pid = ray.get(ray.get_actor(name).__ray_call__.remote(lambda self: os.getpid()))
+                killed.update(engines=_engine_pids(pid), at=time.time())
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_after_step_1, daemon=True).start()
+    summary = run(cfg)
+    assert killed and killed["engines"] and summary.steps_done == STEPS
+    assert not [p for p in killed["engines"] if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    failure, resumed = [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
+    assert failure["kind"] == "run" and failure["dead_actors"] == [f"{cfg.experiment}/colocated/policy+rollout+reward/0"]
+    assert resumed["resumed_from"] == failure["failed_step"] - 1   # killed in a step or in its checkpoint save
+    print(f"\n[chaos] colocated vLLM: failure detected {failure['time'] - killed['at']:.2f}s after kill -9, "
+          f"training again {resumed['restart_s']:.1f}s after detection")
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final = _final_weights(run_dir)
+    assert all(torch.equal(final[k], reference[k]) for k in reference), "weights differ from the uninterrupted run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
