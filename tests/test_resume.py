@@ -211,3 +211,21 @@ def test_toy_data_written_with_other_settings_is_refused_not_used(tmp_path, tiny
     larger = load_config(TOY, [f"trainer.output_dir={tmp_path}", *model, "data.toy.n_train=80", *files])
     with pytest.raises(ValueError, match=r"holds toy data written with data.toy=.*'n_train': 60.*delete"):
         ensure_assets(larger)
+
+
+def test_a_section_turned_on_or_off_is_a_change_and_lora_on_a_full_model_checkpoint_is_refused(out):
+    """`model.lora` null in the checkpoint and set now (or the reverse) is not a key one side lacks
+    (a version difference) but a change of the section: LoRA on a full-model checkpoint is refused."""
+    old = load_config(TOY, [f"trainer.output_dir={out}"]).model_dump(mode="json")
+    lora = load_config(TOY, [f"trainer.output_dir={out}", "model.lora.rank=4"]).model_dump(mode="json")
+    changes = resume.config_changes(old, lora)
+    assert list(changes) == ["model.lora"] and changes["model.lora"][0] is None
+    assert changes["model.lora"][1] == {"rank": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear"}
+    assert resume.config_changes(lora, old) == {"model.lora": (changes["model.lora"][1], None)}
+    cfg = _cfg(out, "model.lora.rank=4", run_name="lora_on")
+    run_dir = Path(cfg.trainer.output_dir) / cfg.experiment / cfg.run_name
+    saved = _cfg(out, run_name="lora_on").model_dump(mode="json")
+    with checkpoint.CheckpointWriter(run_dir, 2, {"sampler": {}, "kl_controller": {}, "config": saved}):
+        pass
+    with pytest.raises(resume.ResumeError, match="model.lora"):
+        resume.plan(cfg, run_dir)

@@ -100,9 +100,26 @@ def _resumable(key: str) -> bool:
 
 def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """Settings that differ between two resolved configs (`model_dump(mode="json")`), by dotted key.
-    Keys only one side has (a newer or older raygraph) are not compared."""
+    Keys only one side has (a newer or older raygraph) are not compared; a section null on one side
+    and set on the other (`model.lora: null` -> `{rank: 4, ...}`) is a change of that section."""
     old, new = _flatten(old), _flatten(new)
-    return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+    changes = {k: (old[k], new[k]) for k in old.keys() & new.keys() if old[k] != new[k]}
+    for section, values in _sections_set_on_one_side(new, old).items():
+        changes[section] = (old[section], values)
+    for section, values in _sections_set_on_one_side(old, new).items():
+        changes[section] = (values, new[section])
+    return dict(sorted(changes.items()))
+
+
+def _sections_set_on_one_side(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{section: its settings in `a`} for each section that `b` holds as one null (or empty) value."""
+    found: dict[str, dict[str, Any]] = {}
+    for key in a.keys() - b.keys():
+        parts = key.split(".")
+        section = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in b), None)
+        if section is not None and b[section] in (None, {}):
+            found.setdefault(section, {})[key[len(section) + 1:]] = a[key]
+    return found
 
 
 def plan(cfg, run_dir: Path) -> ResumePlan | None:
