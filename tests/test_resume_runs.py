@@ -1,6 +1,6 @@
 """Whole runs, resumed: a bit flip in the newest checkpoint falls back to the one before; a failure
-after a finished step checkpoints it; metrics.jsonl holds each step once and MLflow one run; a
-changed learning rate is refused before anything starts.
+after a finished step checkpoints it; metrics.jsonl holds each step once and MLflow one run; the
+warm start runs before step 1 only; a changed learning rate is refused before anything starts.
 
 Before these fixes: the flipped checkpoint loaded "successfully", the failure lost its step, the
 redone steps appeared twice in metrics.jsonl, every resume opened a new MLflow run, and the new lr
@@ -45,7 +45,15 @@ def test_damage_failure_and_resumes_keep_one_history(tmp_path, ray_local, monkey
 
     from raygraph.run import trainer
 
-    first = trainer.run(_cfg(tmp_path, 3))
+    real_warm_start, warm_starts = trainer.run_warm_start, []
+
+    def counted_warm_start(cfg, roles):
+        warm_starts.append(cfg.trainer.total_steps)
+        return real_warm_start(cfg, roles)
+
+    monkeypatch.setattr(trainer, "run_warm_start", counted_warm_start)
+    warm_start = "trainer.warm_start.steps=1"
+    first = trainer.run(_cfg(tmp_path, 3, warm_start))
     run_dir = first.run_dir
     assert [s for s, _ in checkpoint.list_complete(run_dir)] == [2, 3]
     original = _rows(run_dir)
@@ -62,7 +70,7 @@ def test_damage_failure_and_resumes_keep_one_history(tmp_path, ray_local, monkey
 
     monkeypatch.setattr(trainer, "run_validation", failing_validation)
     with caplog.at_level(logging.WARNING, logger="raygraph"), pytest.raises(RuntimeError, match="validation crashed"):
-        trainer.run(_cfg(tmp_path, 4))
+        trainer.run(_cfg(tmp_path, 4, warm_start))
     monkeypatch.setattr(trainer, "run_validation", real_validation)
     fell_back = [r.getMessage() for r in caplog.records if "step_3.damaged" in r.getMessage()]
     assert fell_back and shard.relative_to(run_dir / "checkpoints" / "step_3").as_posix() in fell_back[0]
@@ -73,14 +81,16 @@ def test_damage_failure_and_resumes_keep_one_history(tmp_path, ray_local, monkey
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "weights/version"):
         assert redone[key] == pytest.approx(original[2][key], rel=1e-5, abs=1e-6), key
 
-    final = trainer.run(_cfg(tmp_path, 5))
+    final = trainer.run(_cfg(tmp_path, 5, "trainer.warm_start.steps=2"))   # may change: a resume ignores it
     assert final.steps_done == 5 and final.run_dir == run_dir
     assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5]  # each step once
     assert [r["step"] for r in _rows(run_dir, "metrics_redone.jsonl")] == [3]  # the damaged attempt's
     resumes = _rows(run_dir, resume.RESUMES)
     assert [(r["step"], r["overrides"], r["damaged_set_aside"]) for r in resumes] == [
         (2, {"trainer.total_steps": {"checkpoint": 3, "now": 4}}, ["step_3.damaged"]),
-        (4, {"trainer.total_steps": {"checkpoint": 4, "now": 5}}, ["step_3.damaged"])]
+        (4, {"trainer.total_steps": {"checkpoint": 4, "now": 5},
+             "trainer.warm_start.steps": {"checkpoint": 1, "now": 2}}, ["step_3.damaged"])]
+    assert warm_starts == [3]   # the first run's, before its step 1; neither resume ran one
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("grpo_toy").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
@@ -88,5 +98,5 @@ def test_damage_failure_and_resumes_keep_one_history(tmp_path, ray_local, monkey
 
     config_before = (run_dir / "config.yaml").read_text()
     with pytest.raises(resume.ResumeError, match=r"actor.optim.lr: 0.0001 in the checkpoint, 0.02 now"):
-        trainer.run(_cfg(tmp_path, 6, "actor.optim.lr=0.02"))
+        trainer.run(_cfg(tmp_path, 6, "trainer.warm_start.steps=2", "actor.optim.lr=0.02"))
     assert (run_dir / "config.yaml").read_text() == config_before

@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["LR_SCHEDULES", "build_optimizer", "build_scheduler", "lr_factor", "step_scheduler"]
+__all__ = ["LR_SCHEDULES", "build_optimizer", "build_scheduler", "lr_factor", "resume_schedule", "step_scheduler"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -59,3 +59,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
                          lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def resume_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """After loading a checkpoint: set each group's lr to this schedule's value at the loaded step.
+
+    The optimizer's state holds the lr the checkpoint's schedule set for the next step; a resume
+    with another `total_steps` (docs/guarantees.md, resume policy) must take the next step's lr
+    from the stretched schedule, as every later step does.
+    """
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -102,8 +102,10 @@ class TrainedModel:
         save_train_state(path, self.model, self.optimizer, self.scheduler)
 
     def load(self, path: str | Path) -> None:
-        """Inverse of `save` (same world size)."""
+        """Inverse of `save` (same world size); the lr schedule continues with this model's
+        `total_steps` from the loaded step."""
         load_train_state(path, self.model, self.optimizer, self.scheduler)
+        optim.resume_schedule(self.optimizer, self.scheduler)
 
     def _stage_optim(self, lr: float) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         if self._stage is None or self._stage[0] != lr:

@@ -215,6 +215,26 @@ def test_lr_schedule():
     assert lr_factor(4, lr_schedule="linear", **kw) == pytest.approx(0.55)
 
 
+def test_a_resume_with_another_total_steps_stretches_the_lr_schedule_from_the_resumed_step(
+        tiny_model_path, rollout_batch, tmp_path):
+    """docs/guarantees.md, resume policy: `trainer.total_steps` may change on resume and a decaying
+    schedule stretches to the new length. Linear decay, one optimizer step per update, peak 1e-3:
+    lr_k = 1e-3 (1 - k / total). Steps 0, 1 at total 4; resumed at step 2 with total 8:
+    1 - 2/8 = 0.75 and 1 - 3/8 = 0.625 (before: 0.5, the old schedule's value, then 0.625)."""
+    def policy(total_steps):
+        return _policy(tiny_model_path, lr=1e-3, lr_schedule="linear", total_steps=total_steps)
+
+    batch = rollout_batch(4, seed=1)
+    batch = batch.with_columns(**{ADVANTAGES: torch.ones(batch[RESPONSE_MASK].shape)})
+    first = policy(4)
+    assert [first.update(batch)["actor/lr"] for _ in range(2)] == pytest.approx([1e-3, 0.75e-3])
+    first.save_checkpoint(tmp_path / "ckpt")
+    for total_steps, expected in ((4, [0.5e-3, 0.25e-3]), (8, [0.75e-3, 0.625e-3])):
+        resumed = policy(total_steps)
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert [resumed.update(batch)["actor/lr"] for _ in range(2)] == pytest.approx(expected), total_steps
+
+
 def test_token_budget_micro_batches_give_the_same_logprobs(tiny_model_path, rollout_batch):
     batch = rollout_batch(9, prompt_len=7, response_len=6, seed=3)
     fixed = _policy(tiny_model_path, micro_batch_size=9).logprobs(batch)
