@@ -90,6 +90,37 @@ def test_dpo_with_lora_uses_the_policy_as_reference():
     assert "policy.ref_logprobs" in repr_methods(step)
 
 
+BINDS_THE_REFERENCE = """
+from raygraph.graph import InputNode, MultiOutputNode
+
+ROLES = ("policy", "rollout", "reward", "reference")
+
+
+def build(roles, cfg):
+    with InputNode() as prompts:
+        rollouts = roles.rollout.bind("generate", prompts)
+        return MultiOutputNode([roles.gather(rollouts, roles.reference.bind("logprobs", rollouts))])
+"""
+
+
+def test_a_workflow_binding_the_reference_role_under_lora_fails_validate_naming_the_fix(tmp_path, capsys):
+    """docs/lora.md: no reference role runs with LoRA; a workflow that binds `roles.reference`
+    fails at `raygraph validate` and is told to bind `reference_logprobs` instead."""
+    from raygraph.cli import EXIT_BAD_CONFIG, EXIT_OK, main
+
+    workflow, toy = tmp_path / "wf.py", str(ROOT / "configs" / "grpo_toy.yaml")
+    workflow.write_text(BINDS_THE_REFERENCE)
+    assert main(["validate", toy, f"workflow={workflow}", "actor.kl_loss_coef=0.01"]) == EXIT_OK   # no LoRA: it runs
+    capsys.readouterr()
+    assert main(["validate", toy, f"workflow={workflow}", "actor.kl_loss_coef=0.01", "model.lora.rank=4"]) \
+        == EXIT_BAD_CONFIG
+    assert capsys.readouterr().err == (
+        f"1 config problem in {toy}:\n  - workflow this run has no role 'reference': with model.lora the frozen "
+        "base model is the reference and no reference role is started; bind "
+        "raygraph.graph.fragments.reference_logprobs(roles, cfg, batch) (policy.ref_logprobs with the adapter "
+        "disabled) instead of reference.logprobs\n")
+
+
 def test_the_policy_and_the_vllm_engine_get_the_same_sync_mode():
     spec = LoraSpec(rank=4, alpha=16.0)
     assert HFRolloutWorker.lora_sync_for("/nonexistent/tiny", spec)[0] == "adapter"

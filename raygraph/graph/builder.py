@@ -68,10 +68,13 @@ class GraphBuilder:
 
     Args:
         workers: role name -> worker class (or factory) of every role the run starts.
+        absent: role name -> why this run does not start it and what to bind instead (the
+            message when a workflow binds it).
     """
 
-    def __init__(self, workers: Mapping[str, Callable[..., Any]]):
+    def __init__(self, workers: Mapping[str, Callable[..., Any]], absent: Mapping[str, str] | None = None):
         self._roles = {name: RoleNodes(name, cls) for name, cls in workers.items()}
+        self._absent = dict(absent or {})
 
     @classmethod
     def of(cls, roles: Any) -> GraphBuilder:
@@ -82,6 +85,9 @@ class GraphBuilder:
         roles = self.__dict__.get("_roles", {})
         if name in roles:
             return roles[name]
+        absent = self.__dict__.get("_absent", {})
+        if name in absent:
+            raise GraphBuildError(f"this run has no role {name!r}: {absent[name]}")
         raise GraphBuildError(f"this run has no role {name!r}; roles are {sorted(roles)} (a workflow "
                               "declares the roles it binds in its module-level ROLES)")
 

@@ -71,12 +71,21 @@ def build_graphs(cfg: RaygraphConfig, workflow: Workflow) -> tuple[DAGNode, DAGN
             lacks (the message names the valid ones), or its graph ignores a setting of the config
             (`check_graph_honours`).
     """
-    builder = GraphBuilder(worker_classes(cfg, workflow.roles))
+    builder = GraphBuilder(worker_classes(cfg, workflow.roles), absent=_absent_roles(cfg))
     rollout = cfg.rollout
     step = workflow.build_graph(builder, cfg)   # with the config's workflow_args
     check_graph_honours(cfg, graph_facts(step))
     val = validation_graph(builder, greedy=rollout.val_greedy, n=rollout.val_n, temperature=rollout.val_temperature)
     return with_report(step), with_report(val)
+
+
+def _absent_roles(cfg: RaygraphConfig) -> dict[str, str]:
+    """Roles a workflow may expect that this run does not start, with what to bind instead."""
+    if cfg.reference_from_policy:
+        return {"reference": "with model.lora the frozen base model is the reference and no reference role is "
+                             "started; bind raygraph.graph.fragments.reference_logprobs(roles, cfg, batch) "
+                             "(policy.ref_logprobs with the adapter disabled) instead of reference.logprobs"}
+    return {}
 
 
 def check_graph_honours(cfg: RaygraphConfig, facts: GraphFacts) -> None:
