@@ -42,7 +42,7 @@ _SLOWEST_FIRST = (
     "tests/rewards/test_reward_pool.py", "tests/test_resume_runs.py", "tests/test_lora_vllm_training.py",
     "tests/cluster/test_real_workers.py", "tests/test_cli.py", "tests/workers/test_lora_vllm.py",
     "tests/workers/test_lora_vllm_adapter.py", "tests/workers/test_rollout_vllm.py",
-    "tests/workers/test_vllm_seeded_batches.py",
+    "tests/workers/test_vllm_seeded_batches.py", "tests/workers/test_vllm_weight_update.py",
 )
 
 

@@ -328,3 +328,30 @@ def test_the_actor_id_read_from_a_handle_is_the_id_the_actor_has(ray_local):
         assert actor_id(handle) == ray.get(handle.my_id.remote())
     finally:
         ray.kill(handle)
+
+
+def _after_death(actor) -> str:
+    """What calling `actor` gives once its process was SIGKILLed: "died" (Ray gave up on it) or
+    "restarted" (a new process answers). Ray answers "unavailable" while it decides."""
+    for _ in range(100):
+        try:
+            ray.get(actor.ping.remote())
+            return "restarted"
+        except ray.exceptions.ActorDiedError:
+            return "died"
+        except ray.exceptions.ActorUnavailableError:
+            continue
+    return "unavailable 100 times"
+
+
+def test_ray_restarts_no_role_actor(dummies):
+    """Role actors are created with `max_restarts=0` (docs/runtime.md, "Failures"): a dead
+    process is a failed call, and only raygraph's recovery (`cluster.restart`) starts it again."""
+    pools = {"p": PoolSpec(bundles=1, cpus_per_bundle=0.5)}
+    specs = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p")}
+    with build_roles("test-runtime/no-restart", pools, specs) as roles:
+        [(_, options, _, _)] = roles.launches.values()
+        assert options["max_restarts"] == 0   # what `cluster.restart` starts again with
+        [pid] = roles.policy.call("pid")
+        os.kill(pid, signal.SIGKILL)
+        assert _after_death(roles.hosts[0]) == "died"

@@ -183,3 +183,27 @@ def test_non_finite_score_zeroed_and_counted_when_asked(serve, batch, tokenizer_
                                         ("http://localhost:8000/s", False), ("http://[::1]:9/s", False)])
 def test_bearer_token_over_plain_http_to_another_host_is_flagged(url, clear):
     assert token_sent_in_clear(url) is clear
+
+
+@pytest.mark.parametrize("url, auth_env, warned", [("http://rm.example.com/score", "RM_TOKEN", True),
+                                                   ("https://rm.example.com/score", "RM_TOKEN", False),
+                                                   ("http://rm.example.com/score", None, False)])
+def test_a_bearer_token_over_plain_http_is_warned_about_once_at_start(url, auth_env, warned, tokenizer_path,
+                                                                      monkeypatch, caplog):
+    monkeypatch.setenv("RM_TOKEN", "s3cret")
+    RemoteRewardWorker(url, tokenizer_path, auth_env=auth_env)   # no request is made at start
+    expected = [f"reward service {url}: the bearer token from $RM_TOKEN goes over plain http to a host that is "
+                "not this machine; anyone on the path can read it (use https)"] if warned else []
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == expected
+
+
+def test_retries_wait_backoff_s_doubled_each_time(serve, batch, tokenizer_path, monkeypatch):
+    """Module docstring: retry k sleeps `backoff_s * 2**k`; 3 retries of 0.5 s wait 0.5, 1 and 2 s."""
+    import raygraph.workers.reward_remote as remote
+
+    waits = []
+    monkeypatch.setattr(remote, "time", type("Clock", (), {"sleep": staticmethod(waits.append)}))
+    url, service = serve("503", "503", "503", "ok")
+    out = RemoteRewardWorker(url, tokenizer_path, timeout_s=2, max_retries=3, backoff_s=0.5).score(batch)
+    assert (waits, len(service.requests)) == ([0.5, 1.0, 2.0], 4)
+    assert out[TOKEN_LEVEL_SCORES][0, 1].item() == 1.0   # the 4th attempt's answer

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
+from raygraph.cli import main
 from raygraph.run.health import TrainingFailed, UpdateHealth
 from raygraph.run.tracking import Tracker
 
@@ -38,6 +40,25 @@ def test_a_run_whose_every_update_was_skipped_fails():
     health.observe(3, {"rollout/tokens": 10.0})            # a step without an update does not count
     with pytest.raises(TrainingFailed, match="all 2 training steps skipped every optimizer step"):
         health.check()
+
+
+def test_raygraph_train_exits_1_for_a_run_that_never_updated(monkeypatch, capsys):
+    """docs/guarantees.md, exit codes: 1 is "the run failed ... also a run that never updated"."""
+    from raygraph.run import trainer
+
+    def never_updated(cfg, address=None):
+        health = UpdateHealth()
+        health.observe(1, {"actor/skipped_steps": 1.0, "actor/optimizer_steps": 1.0})
+        health.check()
+
+    monkeypatch.setattr(trainer, "run", never_updated)
+    monkeypatch.delenv("RAYGRAPH_DEBUG", raising=False)
+    toy = Path(__file__).resolve().parents[2] / "configs" / "grpo_toy.yaml"
+    assert main(["train", str(toy)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "raygraph train: TrainingFailed: all 1 training steps skipped every optimizer step (non-finite loss or "
+        "gradient norm): the policy never changed. Look for NaN/Inf in reward/*, actor/* and "
+        "health/non_finite_metrics in metrics.jsonl")
 
 
 def test_some_skipped_updates_are_survivable_and_logged(caplog):

@@ -1,5 +1,6 @@
 """RewardModelWorker: the score equals a direct forward on the unpadded sequence, lands on the
-last response token, and survives a reward model with a different tokenizer."""
+last response token, survives a reward model with a different tokenizer, and a NaN score follows
+`reward.on_non_finite`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, TOKEN_LEVEL_SCORES
-from raygraph.models.tiny import build_tiny_tokenizer
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, RESPONSES, TOKEN_LEVEL_SCORES, UID
+from raygraph.models.tiny import BOS, build_tiny_tokenizer
+from raygraph.rewards.batching import NonFiniteRewardError
 from raygraph.workers.reward_model import RewardModelWorker
 
 
@@ -67,3 +69,47 @@ def test_different_reward_tokenizer_is_handled_by_retokenizing(tiny_rm_path, tin
     assert not worker.same_vocab
     got = worker.score(batch)[TOKEN_LEVEL_SCORES].sum(-1)
     torch.testing.assert_close(got, _direct_scores(tiny_rm_path, batch), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def rm_nan_on_bos(tiny_rm_path, tmp_path_factory) -> str:
+    """The tiny RM with a NaN embedding for the `<|start|>` token: a sequence holding it scores NaN
+    (attention spreads the NaN to the last position), any other scores as the tiny RM does."""
+    path = tmp_path_factory.mktemp("rm_nan")
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_rm_path)
+    tok = build_tiny_tokenizer()
+    with torch.no_grad():
+        rm.model.embed_tokens.weight[tok.convert_tokens_to_ids(BOS)] = float("nan")
+    rm.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _row_1_holds_bos(rollout_batch):
+    batch = rollout_batch(3, seed=2).with_columns(**{UID: ["a", "b", "c"]})
+    responses = batch[RESPONSES].clone()
+    responses[1, 0] = build_tiny_tokenizer().convert_tokens_to_ids(BOS)   # every response has >= 1 token
+    return batch.with_columns(**{RESPONSES: responses})
+
+
+def test_a_nan_score_fails_by_default_naming_the_model_row_and_uid(rm_nan_on_bos, rollout_batch):
+    worker = RewardModelWorker(model_path=rm_nan_on_bos)
+    with pytest.raises(NonFiniteRewardError) as info:
+        worker.score(_row_1_holds_bos(rollout_batch))
+    assert str(info.value) == (f"reward model {rm_nan_on_bos} returned a non-finite score for 1 of 3 samples: "
+                               "row 1 (uid 'b'): nan; fix the reward, or set reward.on_non_finite=zero to score "
+                               "such samples 0 (counted in reward/non_finite)")
+
+
+def test_a_nan_score_is_zeroed_and_counted_under_on_non_finite_zero(rm_nan_on_bos, tiny_rm_path, rollout_batch,
+                                                                    caplog):
+    batch = _row_1_holds_bos(rollout_batch)
+    out = RewardModelWorker(model_path=rm_nan_on_bos, on_non_finite="zero").score(batch)
+    healthy = RewardModelWorker(model_path=tiny_rm_path).score(batch)[TOKEN_LEVEL_SCORES]
+    assert out["reward_extra.non_finite"].tolist() == [0.0, 1.0, 0.0]
+    assert (out[TOKEN_LEVEL_SCORES][1] == 0).all()
+    torch.testing.assert_close(out[TOKEN_LEVEL_SCORES][[0, 2]], healthy[[0, 2]], atol=0, rtol=0)
+    assert healthy[[0, 2]].abs().sum() > 0   # the untouched rows did score something
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"reward model {rm_nan_on_bos} returned a non-finite score for 1 of 3 samples: row 1 (uid 'b'): nan; "
+        "scored 0 (reward.on_non_finite=zero)"]
