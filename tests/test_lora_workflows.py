@@ -70,3 +70,18 @@ def test_dpo_with_lora_needs_no_reference_model(assets, tmp_path, ray_local):
     assert rows[0]["actor/dpo_loss"] == pytest.approx(0.6931, abs=1e-3)   # policy = reference at step 1
     for row in rows:
         _check_lora_step(row)
+
+
+@pytest.mark.parametrize("config", ["ppo", "rloo", "reinforce_pp", "remax", "sft"])
+def test_every_other_workflow_trains_the_adapter_only(config, assets, tmp_path, ray_local):
+    """docs/lora.md: LoRA in every workflow. One step each: the policy's syncs carry the adapter
+    only, and the checkpoint's PEFT adapter moved away from its zero-initialised B (the tiny model
+    earns no reward: an entropy bonus gives the RL workflows a gradient)."""
+    from safetensors.torch import load_file
+
+    summary, (row,) = _run(f"toy/{config}.yaml", assets, tmp_path, **{
+        "trainer.total_steps": 1, "trainer.val_before_train": "false", "actor.entropy_coef": 0.01})
+    assert row["weights/verified"] == 1.0 and row["weights/bytes"] == ADAPTER_BYTES
+    adapter = load_file(str(summary.run_dir / "checkpoints" / "step_1" / "hf_adapter" / "adapter_model.safetensors"))
+    lora_b = [t for name, t in adapter.items() if "lora_B" in name]
+    assert len(lora_b) == 7 * 2 and all(t.abs().sum() > 0 for t in lora_b)   # 7 linear layers a block, 2 blocks
