@@ -396,3 +396,25 @@ def test_a_stateless_actor_killed_after_the_update_goes_to_run_level(tmp_path, t
     assert check_ledger(run_dir, _expected_order(cfg)) == []
     final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
     assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+
+
+def test_the_compiled_executor_recovers_a_killed_rollout_actor_at_run_level(tmp_path, tiny_model_path, toy_data,
+                                                                            ray_local, reference):
+    """A compiled graph is torn down with its actors, so stage-level recovery does not apply: the
+    rollout+reward process killed inside step 3 is recovered at run level from step 2's checkpoint,
+    and the run ends equal to the uninterrupted (interpreted) run."""
+    from raygraph.run.trainer import run
+
+    run_dir = tmp_path / "grpo_toy" / "compiled"
+    plugin, marker = tmp_path / "self_killing_reward.py", tmp_path / "killed.json"
+    plugin.write_text(SELF_KILLING_REWARD.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "compiled", *LAYOUTS["disaggregated_2_ranks"],
+               "trainer.executor=compiled", f"reward.function={plugin}:die_in_step_3")
+    summary = run(cfg)
+    assert marker.is_file() and summary.steps_done == STEPS
+    failure, resumed = _recoveries(run_dir)
+    assert failure["kind"] == "run" and failure["failed_step"] == 3 and resumed["resumed_from"] == 2
+    assert failure["dead_actors"] == [f"{cfg.experiment}/compiled/rollout+reward/0"]
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
