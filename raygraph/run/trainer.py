@@ -117,7 +117,7 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
                  make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon))
     status = "FAILED"
     try:
-        loop.start(step_graph, val_graph, specs)
+        loop.start(step_graph, val_graph, specs, stop)
         status = "KILLED" if loop.train(stop) else "FINISHED"
     except Exception as exc:
         raise loop.failed(exc) from exc
@@ -157,15 +157,16 @@ class _Loop:
     val_start: float | None = None
     val_end: float | None = None
 
-    def start(self, step_graph, val_graph, specs) -> None:
-        """Resume or warm-start, open tracking, build the step runner, validate before step 1."""
+    def start(self, step_graph, val_graph, specs, stop: StopFlag) -> None:
+        """Resume or warm-start, open tracking, build the step runner, validate before step 1
+        (a stop signal cuts the warm start short and skips that validation)."""
         cfg, ctx, roles = self.cfg, self.ctx, self.roles
         self.saved, self.version = resume.restore(ctx.resume, roles, self.data, self.kl_ctl, cfg.trainer.seed)
         self.steps_done = self.saved
         self.ledger.resumed_from(self.saved, "recovery" if self.recoveries.count else "start")
         self.recoveries.resumed(self.saved)
         if self.saved == 0 and cfg.trainer.warm_start is not None:
-            run_warm_start(cfg, roles)
+            run_warm_start(cfg, roles, stopping=lambda: stop.requested)
         self.tracker = Tracker(ctx.run_dir, total_steps=cfg.trainer.total_steps,
                                mlflow_uri=ctx.mlflow_uri if cfg.logging.mlflow else None,
                                experiment=cfg.experiment, run_name=ctx.run_name, params=ctx.resolved,
@@ -184,7 +185,7 @@ class _Loop:
         self.lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0
         self.dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
         self.val_graph = val_graph
-        first = self.saved == 0 and cfg.trainer.val_before_train
+        first = self.saved == 0 and cfg.trainer.val_before_train and not stop.requested
         self.val_start = self._validate(0).get("val/accuracy") if first else None
         self.val_end = self.val_start
         roles.take_step_stats()  # start the per-stage clocks at the first step

@@ -12,7 +12,7 @@ data files) and hands each policy rank its shard.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from raygraph.batch import Batch
 from raygraph.data import ResumableSampler, load_offline_dataset
@@ -23,14 +23,19 @@ __all__ = ["run_warm_start", "warm_start_batches"]
 log = logging.getLogger("raygraph")
 
 
-def run_warm_start(cfg, roles) -> dict[str, float]:
+def run_warm_start(cfg, roles, stopping: Callable[[], bool] = lambda: False) -> dict[str, float]:
     """Run `trainer.warm_start.steps` SFT steps on the policy, then sync weights to the rollout.
+    A stop signal (`stopping()`) ends it at the next SFT step: nothing of it is checkpointed, and
+    a resumed run, having no step, warm-starts again.
 
     Returns the last step's metrics (`actor/sft_loss`, ...) prefixed `warm_start/`.
     """
     ws = cfg.trainer.warm_start
     metrics: dict[str, float] = {}
     for step, batch in enumerate(warm_start_batches(cfg), start=1):
+        if stopping():
+            print(f"[raygraph] warm start stopped before step {step}/{ws.steps}: stop requested", flush=True)
+            return {}
         metrics = roles.policy.call_sharded("sft_update", batch, lr=ws.lr)[0]
         if step == 1 or step == ws.steps or step % 25 == 0:
             print(f"[raygraph] warm start {step}/{ws.steps} sft_loss={metrics['actor/sft_loss']:.4f}",

@@ -83,3 +83,16 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
     assert code == 128 + signal.SIGINT, out[-3000:]
     assert "stop requested (signal 2)" in out and "[raygraph] checkpoint written:" in out
     assert "[raygraph] stopped after step" in out and "Traceback" not in out
+
+
+def test_sigterm_during_the_warm_start_ends_it_at_the_next_sft_step_and_exits_143(tmp_path):
+    # 5000 SFT steps would take minutes; the stop must not wait for them (nor for stop_timeout_s)
+    proc = _start(tmp_path, "trainer.warm_start.steps=5000", "trainer.warm_start.batch_size=4",
+                  f"trainer.warm_start.files=[{tmp_path / 'toy' / 'warm_start.parquet'}]", "trainer.stop_timeout_s=600")
+    started = time.monotonic()
+    code, out = _signal_on(proc, "[raygraph] warm start 1/5000")
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    assert "stop requested (signal 15)" in out and "Traceback" not in out
+    assert "warm start stopped before step" in out and "validation at step 0" not in out
+    assert "[raygraph] step 1/" not in out and "[raygraph] warm start 25/5000" not in out
+    assert time.monotonic() - started < 120
