@@ -250,7 +250,10 @@ class _Loop:
     def failed(self, exc: Exception) -> _AttemptFailed:
         """Checkpoint what is consistent (unless a rank died with its state), and say how it failed."""
         dead = find_dead_actors(self.roles, exc)  # a dead rank's state is gone: no checkpoint can be consistent
-        if not dead:
+        if dead:
+            log.warning("run failed: no checkpoint written on the way out (%s died, and its state with it)",
+                        ", ".join(dead))
+        else:
             unlogged = self.metrics if self.consistent is not None and self.consistent > self.steps_done else None
             resume.save_after_failure(self.ctx, self.roles, self.data, self.kl_ctl, self.version,
                                       step=self.consistent, tracker=self.tracker, metrics=unlogged)
