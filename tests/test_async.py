@@ -155,6 +155,34 @@ def test_is_weights_on_stale_rows_are_truncated_ratios():
     assert m["rollout/is_weight_max"] == 2.0 and m["rollout/is_clipfrac"] == 0.25
 
 
+class _Eager:
+    """Roles that run each `apply` at once: the update batch a graph fragment builds, without Ray."""
+
+    def apply(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+
+def test_rollout_correction_covers_every_row_and_replaces_the_async_weights():
+    """docs/algorithms.md: with `max_staleness=1` and a rollout correction, the correction applies
+    to every row (fresh ones too) and the stale rows' truncated IS (`is_cap`) is not applied on top."""
+    from raygraph.graph import fragments
+
+    cfg = load_config(TOY, ["placement.max_staleness=1", "algorithm.is_cap=1.5",
+                            "algorithm.rollout_correction.mode=truncated_is", "algorithm.rollout_correction.cap=3.0"])
+    # r = pi_old / pi_rollout: stale row 0 has r = 2.5, 4; fresh row 1 has r = 2, 1/2; position 2 is padding
+    ln = math.log
+    batch = _scored([1, 0], [[ln(2.5), ln(4.0), 0.0], [ln(2.0), ln(0.5), 0.0]], [[0.0, 0.0, 0.0]] * 2)
+    out, metrics = fragments.update_batch(_Eager(), cfg, batch)
+    # advantages 2 x min(r, 3): row 0 -> 5, 6 (async alone: 2 x min(r, 1.5) = 3, 3; both: 7.5, 9);
+    # row 1 -> 4, 1 (async alone leaves a fresh row at 2, 2); padding untouched
+    assert torch.allclose(out[ADVANTAGES], torch.tensor([[5.0, 6.0, 2.0], [4.0, 1.0, 2.0]]))
+    # the metrics read the batch before the correction: staleness, and the weights applied, (2.5 + 3 + 2 + 0.5) / 4
+    staleness, correction = metrics
+    assert staleness["rollout/staleness"] == 0.5 and staleness["rollout/staleness_max"] == 1.0
+    assert correction["rollout/correction_weight_mean"] == pytest.approx(2.0)
+    assert correction["rollout/correction_capped_frac"] == 0.25
+
+
 # --- the DAG: what each actor runs, in which order -------------------------------------------------
 def _fake_disaggregated(fake_roles):
     """Roles as the trainer builds them disaggregated: policy+reference | rollout+reward."""

@@ -1,7 +1,8 @@
 """What the rewards see of a multi-turn episode (docs/agents.md): `reward.kind=env` passes the
 environment's rewards on with `reward/acc` and `reward/return`; with tools and no environment a rule
-function reads the model's turns as one text, and a remote service gets the first prompt and the
-model's tokens only. Episodes are built by hand (no engine) and turned into rows as a rollout does."""
+function reads the model's turns as one text, a reward model scores the whole conversation, and a
+remote service gets the first prompt and the model's tokens only. Episodes are built by hand (no
+engine) and turned into rows as a rollout does."""
 
 from __future__ import annotations
 
@@ -11,13 +12,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from raygraph.agents.episode import Episode
-from raygraph.batch import GROUND_TRUTH, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, TOKEN_LEVEL_SCORES, UID, Batch
+from raygraph.batch import (
+    GROUND_TRUTH,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_TEXT,
+    RESPONSE_MASK,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    Batch,
+)
 from raygraph.graph.step_metrics import rollout_metrics, validation_metrics
 from raygraph.models.tiny import build_tiny_tokenizer
 from raygraph.workers.agent_rollout import episode_rows
 from raygraph.workers.reward_env import EnvRewardWorker
+from raygraph.workers.reward_model import RewardModelWorker
 from raygraph.workers.reward_remote import RemoteRewardWorker
 from raygraph.workers.reward_rule import RuleRewardWorker
 
@@ -136,3 +148,20 @@ def test_a_remote_reward_gets_the_first_prompt_and_the_model_tokens_only(tokeniz
     assert body["prompts"] == PROMPTS                # the first prompt: no tool result, no later turn
     assert body["responses"] == MODEL_TEXTS          # the model's tokens only
     assert out[TOKEN_LEVEL_SCORES].sum(-1).tolist() == [17.0, 6.0, 6.0]
+
+
+def test_a_reward_model_scores_the_whole_conversation_tool_results_included(tiny_rm_path):
+    rows = _rows()
+    out = RewardModelWorker(model_path=tiny_rm_path).score(rows)
+    # episode 0 as the reward model reads it: the prompt, both model turns and the tool's answer between them
+    conversation = PROMPTS[0] + "calc(12*3)<|end|><|end|><|user|>result 36<|end|><|assistant|>#### 36<|end|>"
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_rm_path)
+    with torch.no_grad():
+        whole, model_only = (float(rm(input_ids=torch.tensor([_ids(text)])).logits[0, 0])
+                             for text in (conversation, PROMPTS[0] + "calc(12*3)<|end|>#### 36<|end|>"))
+    assert whole != pytest.approx(model_only, abs=1e-4)   # the tool result changes the score
+    scores = out[TOKEN_LEVEL_SCORES][0]
+    last = int(rows[RESPONSE_MASK][0].nonzero().max())     # the score sits on the model's last token
+    assert float(scores[last]) == pytest.approx(whole, abs=1e-5)
+    assert float(scores.sum()) == pytest.approx(whole, abs=1e-5)   # and nowhere else
+

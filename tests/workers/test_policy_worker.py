@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,16 +11,19 @@ from transformers import AutoModelForCausalLM
 from raygraph.batch import (
     ADVANTAGES,
     ATTENTION_MASK,
+    ENTROPY,
     INPUT_IDS,
     LOSS_MASK,
     OLD_LOGPROBS,
     REF_LOGPROBS,
     RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
+    STALENESS,
     WEIGHT_VERSION,
     Batch,
 )
 from raygraph.errors import MissingColumn
+from raygraph.graph import corrections
 from raygraph.workers.optim import lr_factor
 from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
@@ -110,6 +115,35 @@ def test_one_step_update_without_old_logprobs_equals_the_recomputed_pass(tiny_mo
     two_steps = _policy(tiny_model_path, mini_batch_size=3, **kw)
     with pytest.raises(MissingColumn, match="1 epoch\\(s\\) x 2 mini-batch.*actor.old_logprobs=recompute"):
         two_steps.update(batch.select_columns([c for c in batch.columns() if c != OLD_LOGPROBS]))
+
+
+def test_async_is_weights_scale_the_policy_gradient_term_only(tiny_model_path, rollout_batch):
+    """docs/async.md: the truncated IS weights of stale rows multiply the policy-gradient term; the
+    KL-loss and entropy terms are not reweighted."""
+    kw = {"kl_loss_coef": 0.1, "entropy_coef": 0.01, "lr": 1e-4}
+    plain, weighted = _policy(tiny_model_path, **kw), _policy(tiny_model_path, **kw)   # the same weights
+    batch = rollout_batch(4, seed=3)
+    batch = batch.union(plain.logprobs(batch))
+    old, mask = batch[OLD_LOGPROBS], batch[RESPONSE_MASK]
+    # rows 0, 1 are stale, sampled at log-probs 0.5 and 2 below pi_old: w = e^0.5 and min(e^2, 2) = 2;
+    # rows 2, 3 are fresh (w = 1). ref = old + 0.5: k3 = e^0.5 - 1 - 0.5 on every token.
+    lag = torch.tensor([[0.5], [2.0], [3.0], [3.0]])
+    batch = batch.with_columns(**{ADVANTAGES: mask.float(), ROLLOUT_LOGPROBS: (old - lag) * mask,
+                                  REF_LOGPROBS: old + 0.5, STALENESS: torch.tensor([1, 1, 0, 0])})
+    reweighted = corrections.truncated_importance_weights(batch, cap=2.0)
+    # ratio pi / pi_old = 1 before the single step: pg_loss = -token-mean(w * A), with A = 1
+    tokens = mask.sum(-1).float()
+    pg_weighted = -float((torch.tensor([math.exp(0.5), 2.0, 1.0, 1.0]) * tokens).sum() / tokens.sum())
+    # the whole loss, pg - 0.01 entropy + 0.1 kl, moves by the pg term's change alone
+    loss_plain, loss_weighted = plain._ppo_loss(batch).loss, plain._ppo_loss(reweighted).loss
+    assert float((loss_weighted - loss_plain).detach()) == pytest.approx(pg_weighted + 1.0, abs=1e-5)
+    m_plain, m_weighted = plain.update(batch), weighted.update(reweighted)
+    assert m_plain["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
+    assert m_weighted["actor/pg_loss"] == pytest.approx(pg_weighted, abs=1e-5)
+    entropy = float((batch[ENTROPY] * mask).sum() / mask.sum())
+    for m in (m_plain, m_weighted):
+        assert m["actor/kl_loss"] == pytest.approx(math.exp(0.5) - 1.5, abs=1e-5)   # 0.1487
+        assert m["actor/entropy"] == pytest.approx(entropy, abs=1e-5)
 
 
 def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model_path, rollout_batch):
