@@ -47,9 +47,9 @@ def test_damage_failure_and_resumes_keep_one_history(tmp_path, ray_local, monkey
 
     real_warm_start, warm_starts = trainer.run_warm_start, []
 
-    def counted_warm_start(cfg, roles):
+    def counted_warm_start(cfg, roles, **kwargs):
         warm_starts.append(cfg.trainer.total_steps)
-        return real_warm_start(cfg, roles)
+        return real_warm_start(cfg, roles, **kwargs)
 
     monkeypatch.setattr(trainer, "run_warm_start", counted_warm_start)
     warm_start = "trainer.warm_start.steps=1"
