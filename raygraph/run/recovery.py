@@ -52,7 +52,7 @@ INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
-                         "WeightSyncError",   # raised in a receiving actor: a bucket failed verification, ...
+                         "WeightSyncError",   # a receiving actor's transfer timed out, lost a peer or failed its checksum
                          *ACTOR_UNUSABLE)
 
 

@@ -116,7 +116,8 @@ def _sections_set_on_one_side(a: dict[str, Any], b: dict[str, Any]) -> dict[str,
     found: dict[str, dict[str, Any]] = {}
     for key in a.keys() - b.keys():
         parts = key.split(".")
-        section = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in b), None)
+        prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+        section = next((p for p in prefixes if p in b), None)
         if section is not None and b[section] in (None, {}):
             found.setdefault(section, {})[key[len(section) + 1:]] = a[key]
     return found
