@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raygraph.errors import RoleFailed
 
-__all__ = ["RoleError", "PlacementError", "WeightSyncError", "CallSite", "RemoteFailure", "wait_calls"]
+__all__ = ["RoleError", "PlacementError", "WeightSyncError", "CallSite", "RemoteFailure", "wait_calls", "ACTOR_DIED"]
+
+# The cause of a `RoleError` whose actor Ray declared dead (not merely unreachable for now).
+ACTOR_DIED = "the actor died (process exited or was killed)"
 
 
 class PlacementError(RoleFailed, RuntimeError):
@@ -98,8 +101,10 @@ def to_role_error(exc: BaseException, site: CallSite, method: str) -> RoleError:
         return RoleError(cause.site, cause.method, cause.tb, cause.cause_type)
     if isinstance(cause, RoleError):
         return cause
+    if isinstance(exc, ActorUnavailableError):   # unreachable for now (a RayActorError, yet maybe alive)
+        return RoleError(site, method, str(exc), "ActorUnavailableError")
     if isinstance(exc, RayActorError):
-        return RoleError(site, method, str(exc), "the actor died (process exited or was killed)")
+        return RoleError(site, method, str(exc), ACTOR_DIED)
     return RoleError(site, method, str(exc), type(exc).__name__)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from raygraph.cluster import tasks
 from raygraph.cluster.actor_ids import actor_id
@@ -294,8 +294,13 @@ def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ..
             key = (spec.pool, rank % pools[spec.pool].bundles)
             per_bundle[key] = per_bundle.get(key, 0) + 1
     coordinator_cls = ray.remote(num_cpus=0)(Coordinator)
+    # On the driver's node: a run whose driver's node is lost is over anyway, while a coordinator
+    # on a worker node made that node's loss a run-level failure even when only stateless roles ran
+    # there. It needs no resources, so it fits any node; a soft affinity was not kept (Ray placed
+    # it on a worker node when the driver's node had no CPUs).
+    near_driver = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     roles.coordinator = coordinator_cls.options(
-        name=f"{roles.run_name}/coordinator",
+        name=f"{roles.run_name}/coordinator", scheduling_strategy=near_driver,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **env}}).remote(roles.run_name, plugins)
     refs, labels = [], []
     members: dict[str, list] = {r: [] for r in specs}

@@ -17,7 +17,7 @@ import ray
 import ray.dag as rdag
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError
 
-from raygraph.cluster.errors import CallSite, RoleError, to_role_error, wait_calls
+from raygraph.cluster.errors import ACTOR_DIED, CallSite, RoleError, to_role_error, wait_calls
 from raygraph.graph.lowering import INPUT, lower
 from raygraph.graph.nodes import DAGNode
 
@@ -107,7 +107,7 @@ class Executor:
     def _attribute(self, err: RoleError) -> RoleError:
         # A dead actor poisons every downstream step; name the actor that actually died.
         for hex_id, site in self.plan.sites.items():
-            if hex_id in err.remote_traceback and err.cause.startswith("the actor died"):
+            if hex_id in err.remote_traceback and err.cause.startswith(ACTOR_DIED):
                 return RoleError(site, err.method, err.remote_traceback, err.cause)
         return err
 

@@ -39,9 +39,16 @@ from typing import Any
 import ray
 
 from raygraph.cluster import RoleError, RoleSpec
+from raygraph.cluster.errors import ACTOR_DIED
 from raygraph.cluster.restart import restart_actors, restartable
 from raygraph.config.role_kinds import kind_of
-from raygraph.run.recovery import ACTOR_UNUSABLE, Recoveries, failure_is_recoverable, lost_nodes
+from raygraph.run.recovery import (
+    ACTOR_UNUSABLE,
+    Recoveries,
+    failure_is_recoverable,
+    find_dead_actors,
+    lost_nodes,
+)
 
 __all__ = ["StageRunner", "stateless_roles"]
 
@@ -52,9 +59,11 @@ def stateless_roles(specs: dict[str, RoleSpec]) -> tuple[str, ...]:
     return tuple(r for r in specs if kind_of(r).restart == "stage")
 
 
-def _unusable_actor_in(exc: Exception) -> list[str]:
-    """[the actor] whose rollout engine or environment host died (`ACTOR_UNUSABLE`) in `exc`, else []."""
-    if isinstance(exc, RoleError) and exc.cause.startswith(ACTOR_UNUSABLE) and exc.actor_name:
+def _dead_by_its_error(exc: Exception) -> list[str]:
+    """[the actor] that `exc` says is dead (Ray declared it so) or unusable (its rollout engine or
+    environment host died, `ACTOR_UNUSABLE`), else []. A ping can still go unanswered then: on a
+    lost node, Ray reports the step's call failed before it answers a new one."""
+    if isinstance(exc, RoleError) and exc.cause.startswith((ACTOR_DIED, *ACTOR_UNUSABLE)) and exc.actor_name:
         return [exc.actor_name]
     return []
 
@@ -101,9 +110,9 @@ class StageRunner:
         self.executor.teardown()
 
     def _recover(self, exc: Exception, step: int, version: int) -> bool:
-        # a collective's lost peer is waited for at run level; an actor whose vLLM engine died is
-        # alive but of no use until it is started again
-        dead = self.roles.dead_actors() or _unusable_actor_in(exc)
+        # an actor on a lost node is waited for until Ray declares it dead (find_dead_actors); an
+        # actor whose vLLM engine died is alive but of no use until it is started again
+        dead = sorted({*find_dead_actors(self.roles, exc), *_dead_by_its_error(exc)})
         if not dead or not failure_is_recoverable(exc, dead):
             return False
         if not all(restartable(self.roles, self.specs, n, self.stateless) for n in dead):

@@ -419,3 +419,49 @@ def test_the_compiled_executor_recovers_a_killed_rollout_actor_at_run_level(tmp_
     assert check_ledger(run_dir, _expected_order(cfg)) == []
     final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
     assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"
+
+
+# Imported by every actor (trainer.plugins): the rollout's checkpoint save of step 2 kills its own
+# process once, outside the step graph (after step 2's update and weight sync, during the save).
+DIE_DURING_THE_SAVE = '''
+import os
+import signal
+from pathlib import Path
+
+from raygraph.workers.rollout_hf import HFRolloutWorker
+
+MARKER = Path({marker!r})
+_save = HFRolloutWorker.save_checkpoint
+
+
+def _dying_save(self, path):
+    if "step_2" in str(path) and not MARKER.exists():
+        MARKER.write_text(str(path))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _save(self, path)
+
+
+HFRolloutWorker.save_checkpoint = _dying_save
+'''
+
+
+def test_a_stateless_actor_killed_during_the_checkpoint_save_goes_to_run_level(tmp_path, tiny_model_path,
+                                                                                toy_data, ray_local, reference):
+    """Outside the step graph there is no stage to rerun: the rollout+reward process (stateless)
+    killed while step 2's checkpoint is written sends the run back to step 1's checkpoint (the
+    half-written step 2 is never loaded), and it ends equal to the uninterrupted run."""
+    from raygraph.run.trainer import run
+
+    run_dir, marker = tmp_path / "grpo_toy" / "save", tmp_path / "killed.marker"
+    plugin = tmp_path / "dying_save.py"
+    plugin.write_text(DIE_DURING_THE_SAVE.format(marker=str(marker)))
+    cfg = _cfg(tmp_path, tiny_model_path, toy_data, "save", *LAYOUTS["disaggregated_2_ranks"],
+               f"plugins=[{plugin}]")
+    summary = run(cfg)
+    assert "step_2" in marker.read_text() and summary.steps_done == STEPS
+    failure, resumed = _recoveries(run_dir)
+    assert failure["kind"] == "run" and failure["failed_step"] == 2 and resumed["resumed_from"] == 1
+    assert failure["dead_actors"] == [f"{cfg.experiment}/save/rollout+reward/0"]
+    assert check_ledger(run_dir, _expected_order(cfg)) == []
+    final, ref = _final_weights(run_dir), reference["disaggregated_2_ranks"]
+    assert all(torch.equal(final[k], ref[k]) for k in ref), "weights differ from the uninterrupted run"

@@ -40,3 +40,20 @@ def test_frozen_extra_roles_count_as_stateless_like_the_reference():
     specs = {"policy": RoleSpec(PolicyWorker), "reference": RoleSpec(ReferenceWorker),
              "teacher": RoleSpec(ReferenceWorker), "rollout": RoleSpec(object), "reward": RoleSpec(object)}
     assert set(stateless_roles(specs)) == {"reference", "teacher", "rollout", "reward"}
+
+
+def test_an_unreachable_actor_is_not_called_dead_but_a_dead_one_names_itself():
+    """Ray's ActorUnavailableError is a RayActorError, yet the actor may be alive: its RoleError
+    says unavailable (wait for the verdict); a dead actor's error names the actor that stage-level
+    recovery restarts even while a new ping to it goes unanswered (a lost node)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from raygraph.cluster.errors import ACTOR_DIED, CallSite, to_role_error
+    from raygraph.run.stage_recovery import _dead_by_its_error
+
+    site = CallSite("rollout", 0, "exp/run/rollout+reward/0")
+    unavailable = to_role_error(ActorUnavailableError("the node is unreachable", None), site, "generate")
+    died = to_role_error(ActorDiedError(), site, "generate")
+    assert unavailable.cause == "ActorUnavailableError" and died.cause == ACTOR_DIED
+    assert _dead_by_its_error(unavailable) == [] and _dead_by_its_error(died) == ["exp/run/rollout+reward/0"]
+    assert _dead_by_its_error(ValueError("a bug")) == []
