@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:   # the model classes are imported where a model is loaded: importing them takes
+    # ~5 s (transformers' model loading pulls in torch.distributed.tensor, sympy, dynamo, scipy),
+    # which the driver, needing only a tokenizer, never pays
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ATTN_IMPL_ENV", "ATTN_IMPLS", "enable_gradient_checkpointing", "load_causal_lm", "load_reward_model", "load_tokenizer",
@@ -128,6 +128,8 @@ def load_causal_lm(
     Returns:
         The model on CPU, in eval mode (callers move it and switch to train mode).
     """
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=resolve_dtype(dtype), attn_implementation=resolve_attn_impl(attn_impl))
     if gradient_checkpointing:
@@ -148,6 +150,8 @@ def load_reward_model(
     Raises:
         ValueError: when the model has more than one label.
     """
+    from transformers import AutoModelForSequenceClassification
+
     model = AutoModelForSequenceClassification.from_pretrained(
         str(path), dtype=resolve_dtype(dtype), attn_implementation=resolve_attn_impl(attn_impl))
     if model.config.num_labels != 1:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, PreTrainedModel
 
 from raygraph.models.loading import enable_gradient_checkpointing, resolve_attn_impl, resolve_dtype
+
+if TYPE_CHECKING:   # imported where a model is loaded (see raygraph.models.loading)
+    from transformers import PreTrainedModel
 
 __all__ = ["VALUE_HEAD_FILE", "ValueModel"]
 
@@ -51,6 +54,8 @@ class ValueModel(nn.Module):
         which FSDP2 needs: each rank shards the tensor it built locally.
         """
         torch_dtype = resolve_dtype(dtype)
+        from transformers import AutoModel
+
         body = AutoModel.from_pretrained(str(path), dtype=torch_dtype,
                                          attn_implementation=resolve_attn_impl(attn_impl))
         if gradient_checkpointing:
