@@ -446,12 +446,16 @@ HFRolloutWorker.save_checkpoint = _dying_save
 
 
 def test_a_stateless_actor_killed_during_the_checkpoint_save_goes_to_run_level(tmp_path, tiny_model_path,
-                                                                                toy_data, ray_local, reference):
+                                                                                toy_data, ray_local, reference,
+                                                                                monkeypatch):
     """Outside the step graph there is no stage to rerun: the rollout+reward process (stateless)
     killed while step 2's checkpoint is written sends the run back to step 1's checkpoint (the
     half-written step 2 is never loaded), and it ends equal to the uninterrupted run."""
     from raygraph.run.trainer import run
+    from raygraph.workers.rollout_hf import HFRolloutWorker
 
+    # the driver imports the plugin too: the class gets its own method back after the test
+    monkeypatch.setattr(HFRolloutWorker, "save_checkpoint", HFRolloutWorker.save_checkpoint)
     run_dir, marker = tmp_path / "grpo_toy" / "save", tmp_path / "killed.marker"
     plugin = tmp_path / "dying_save.py"
     plugin.write_text(DIE_DURING_THE_SAVE.format(marker=str(marker)))
