@@ -38,6 +38,7 @@ from pathlib import Path
 import ray
 
 from raygraph.cluster import RoleError, WeightSyncError
+from raygraph.cluster.errors import ACTOR_DIED
 
 __all__ = ["Recoveries", "failure_is_recoverable", "find_dead_actors", "lost_nodes", "INFRASTRUCTURE_CAUSES",
            "ACTOR_UNUSABLE", "LOST_PEER_SIGNS"]
@@ -48,7 +49,7 @@ log = logging.getLogger("raygraph")
 # engine's processes died (workers/vllm_deaths), an environment host died (agents/env_hosts).
 ACTOR_UNUSABLE = ("RolloutEngineDied", "EnvHostDied")
 # RoleError causes (exception type names, or our own wording) that mean the infrastructure failed.
-INFRASTRUCTURE_CAUSES = ("the actor died", "no result within", "ActorDiedError", "RayActorError",
+INFRASTRUCTURE_CAUSES = (ACTOR_DIED, "no result within", "ActorDiedError", "RayActorError",
                          "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError",
                          "ObjectFetchTimedOutError", "WorkerCrashedError", "LocalRayletDiedError",
                          "RayChannelTimeoutError", "GetTimeoutError", "ObjectReconstructionFailedError",
