@@ -63,29 +63,38 @@ def _engine_pids(actor_pid: int) -> list[int]:
     return engines or [c.pid for c in children]
 
 
-class _EngineKiller:
-    """Kill -9 the engine processes of the run's rollout actor once step `after_step` is in the ledger."""
+# Imported by every actor (trainer.plugins): step 2's generate (the first once step 1 is in the
+# ledger) kill -9s its own engine processes, notes when and which in the marker, and goes on into
+# the dead engine. Killing from inside the call makes the failure land in step 2's generate every
+# time; a kill from outside raced the 0.2 s step and could land after the update (run level).
+KILL_THE_ENGINE_IN_STEP_2 = '''
+import json
+import os
+import signal
+import time
+from pathlib import Path
 
-    def __init__(self, run_dir: Path, run_prefix: str, after_step: int):
-        self.run_dir, self.prefix, self.after = run_dir, run_prefix, after_step
-        self.killed_at: float | None = None
-        self.victims: list[int] = []
-        threading.Thread(target=self._watch, daemon=True).start()
+from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
-    def _watch(self):
-        import ray
+RUN, MARKER = Path({run!r}), Path({marker!r})
+_generate = VLLMRolloutWorker.generate
 
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and self.killed_at is None:
-            if self.after in effective_steps(self.run_dir):
-                name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                            if a["name"].startswith(self.prefix) and "rollout" in a["name"])
-                pid = ray.get(ray.get_actor(name).__ray_call__.remote(lambda self: os.getpid()))
-                self.victims = _engine_pids(pid)
-                for victim in self.victims:
-                    os.kill(victim, signal.SIGKILL)
-                self.killed_at = time.time()
-            time.sleep(0.05)
+
+def _generate_with_a_dead_engine(self, batch, **kwargs):
+    ledger = RUN / "ledger.jsonl"
+    if ledger.is_file() and '"step": 1' in ledger.read_text() and not MARKER.exists():
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        victims = [c.pid for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+        for pid in victims or [c.pid for c in children]:
+            os.kill(pid, signal.SIGKILL)
+        MARKER.write_text(json.dumps({{"at": time.time(), "victims": victims}}))
+    return _generate(self, batch, **kwargs)
+
+
+VLLMRolloutWorker.generate = _generate_with_a_dead_engine
+'''
 
 
 @pytest.fixture(scope="module")
@@ -107,25 +116,30 @@ def reference(tmp_path_factory, tiny_model_path, data, ray_local):
 
 @pytest.mark.timeout(900)   # two runs and three engine starts: 300 s on a loaded 2-core machine (2026-12-03)
 def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_path, tiny_model_path, ray_local,
-                                                                         data, reference):
+                                                                         data, reference, monkeypatch):
     from raygraph.run.trainer import run
+    from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
-    cfg = _cfg(tmp_path / "chaos", tiny_model_path, data, "chaos")
-    run_dir = tmp_path / "chaos" / cfg.experiment / "chaos"
-    killer = _EngineKiller(run_dir, f"{cfg.experiment}/chaos/", after_step=1)
+    # the driver imports the plugin too: the class gets its own method back after the test
+    monkeypatch.setattr(VLLMRolloutWorker, "generate", VLLMRolloutWorker.generate)
+    run_dir, marker = tmp_path / "chaos" / "grpo_toy" / "chaos", tmp_path / "killed.json"
+    plugin = tmp_path / "kill_the_engine.py"
+    plugin.write_text(KILL_THE_ENGINE_IN_STEP_2.format(run=str(run_dir), marker=str(marker)))
+    cfg = _cfg(tmp_path / "chaos", tiny_model_path, data, "chaos", f"plugins=[{plugin}]")
+    assert run_dir == tmp_path / "chaos" / cfg.experiment / "chaos"
     summary = run(cfg)
-    assert killer.killed_at is not None and killer.victims, "the engine was never killed"
+    killed = json.loads(marker.read_text())
+    assert killed["victims"], "the engine was never killed"
     assert summary.steps_done == STEPS
 
     records = [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
     failure, done = records
-    # the kill lands in step 2's or step 3's generate (a step takes ~0.2 s): that step runs again
     failed_step = failure["failed_step"]
-    assert failure["kind"] == done["kind"] == "stage" and failed_step == done["rerun_step"] and failed_step in (2, 3)
+    assert failure["kind"] == done["kind"] == "stage" and failed_step == done["rerun_step"] == 2
     assert failure["cause"].startswith("RolloutEngineDied")   # its message: "EngineCore was killed by signal 9"
     assert failure["dead_actors"] == [f"{cfg.experiment}/chaos/rollout+reward/0"]
     assert done["weights_verified"] == 1.0
-    print(f"\n[chaos] vLLM engine: failure detected {failure['time'] - killer.killed_at:.2f}s after kill -9, "
+    print(f"\n[chaos] vLLM engine: failure detected {failure['time'] - killed['at']:.2f}s after kill -9, "
           f"step {failed_step} running again {done['restart_s']:.1f}s after detection")
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert [r for r in ledger if "resume_from" in r] == [{"resume_from": 0, "reason": "start"}]  # no reload
