@@ -65,6 +65,12 @@ class StopFlag:
         self._watchdog.daemon = True
         self._watchdog.start()
 
+    def checkpointed(self) -> None:
+        """The stop was honoured (the step ended, its checkpoint is written): the watchdog goes, so
+        a slow shutdown after it (engines, Ray) is not reported as a stop without a checkpoint."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
     def _give_up(self):
         log.warning("stop: no step boundary and checkpoint within %.0fs; exiting without a new checkpoint",
                     self.timeout_s)

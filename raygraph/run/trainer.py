@@ -197,6 +197,7 @@ class _Loop:
             if stop.requested:  # the signal came after the last step's check, or before any step
                 if self.steps_done > self.saved:
                     self._save(self.steps_done)
+                stop.checkpointed()
                 self.stopped = True
                 return True
             self.step = step
@@ -212,6 +213,7 @@ class _Loop:
             if last or stopping or (self.cfg.trainer.save_every and step % self.cfg.trainer.save_every == 0):
                 self._save(step)
             if stopping:
+                stop.checkpointed()
                 self.stopped = True
                 return True
         health.check()

@@ -38,6 +38,15 @@ def test_a_step_that_does_not_end_is_interrupted_after_the_timeout():
     assert 0.3 <= time.monotonic() - t0 < 10
 
 
+def test_once_the_stop_checkpoint_is_written_a_slow_shutdown_is_not_interrupted():
+    with StopFlag(timeout_s=0.3) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        _busy(0.1)   # the step ends and its checkpoint is written
+        stop.checkpointed()
+        _busy(0.6)   # the shutdown outlasts the timeout: no KeyboardInterrupt
+        assert stop.requested
+
+
 def test_a_second_signal_stops_at_once():
     with pytest.raises(KeyboardInterrupt):
         with StopFlag(timeout_s=30):
