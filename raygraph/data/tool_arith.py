@@ -4,10 +4,12 @@ the real-model tool-use example (`configs/smollm2_tools.yaml`, docs/agents.md).
     system: how to call the calculator (Hermes-style <tool_call> JSON) and to end with '#### <n>'
     user:   "What is 347 * 29?"                                       ground truth "10063"
 
-The warm start (`warm_start.parquet`, single-turn rows) shows the first move only: the question
-answered by the tool call `{"name": "calculator", "arguments": {"expression": "347 * 29"}}`. What to
-do with the tool's result (answer '#### 10063') is left to RL, under the `tool_answer` environment
-(1 for the right final number). Train, validation and warm-start problems are disjoint.
+The warm start (`warm_start.parquet`) shows both moves, each on half of its problems: the question
+answered by the tool call `{"name": "calculator", "arguments": {"expression": "347 * 29"}}`, and the
+conversation up to the tool's result (`10063`, a `tool` message) answered by `#### 10063`. RL, under
+the `tool_answer` environment (1 for the right final number), then makes the two reliable in one
+episode. (Showing the first move only taught the call but not what follows it: RL then found no
+episode to reinforce, docs/agents.md.) Train, validation and warm-start problems are disjoint.
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ def _prompt(expression: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {expression}?"}]
 
 
+def _warm_row(expression: str, answer: str, answer_move: bool) -> dict:
+    """An SFT row of one move: the calculator call, or (`answer_move`) the final answer once the
+    call and its result are in the conversation."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": %s}}</tool_call>' % json.dumps(expression)
+    if not answer_move:
+        return {"prompt": _prompt(expression), "response": call}
+    exchange = [{"role": "assistant", "content": call}, {"role": "tool", "content": answer}]
+    return {"prompt": _prompt(expression) + exchange, "response": f"#### {answer}"}
+
+
 def write_tool_arith(out_dir: str | Path, n_train: int = 512, n_val: int = 64, n_warm: int = 256,
                      seed: int = 0) -> tuple[Path, Path]:
     """Write `train.parquet`, `val.parquet` and `warm_start.parquet` (disjoint problems).
@@ -56,6 +68,5 @@ def write_tool_arith(out_dir: str | Path, n_train: int = 512, n_val: int = 64, n
         return [{"data_source": DATA_SOURCE, "prompt": _prompt(e), "reward_model": {"style": "rule", "ground_truth": a},
                  "extra_info": {"split": split, "index": i}} for i, (e, a) in enumerate(part)]
 
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": %s}}</tool_call>'
-    write_rows([{"prompt": _prompt(e), "response": call % json.dumps(e)} for e, _ in warm], out_dir / "warm_start.parquet")
+    write_rows([_warm_row(e, a, answer_move=i % 2 == 1) for i, (e, a) in enumerate(warm)], out_dir / "warm_start.parquet")
     return write_rows(rows(train, "train"), out_dir / "train.parquet"), write_rows(rows(val, "val"), out_dir / "val.parquet")

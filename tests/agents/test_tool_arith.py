@@ -30,16 +30,29 @@ def test_a_calculator_call_that_fails_is_an_error_message_to_the_model():
     assert result.status == "error" and "only numbers" in result.text
 
 
-def test_tool_arith_splits_are_disjoint_and_the_warm_start_shows_a_call_that_gives_the_answer(tmp_path):
+def test_tool_arith_splits_are_disjoint_and_the_warm_start_shows_the_call_and_the_answer_to_its_result(tmp_path):
     train, val = write_tool_arith(tmp_path, n_train=40, n_val=8, n_warm=16)
     rows = {name: [r for _, _, r in read_rows(tmp_path / f"{name}.parquet")] for name in ("train", "val", "warm_start")}
-    question = {name: {r["prompt"][-1]["content"] for r in part} for name, part in rows.items()}
+    question = {name: {next(m["content"] for m in r["prompt"] if m["role"] == "user") for r in part}
+                for name, part in rows.items()}
     assert len(question["train"]) == 40 and len(question["val"]) == 8 and len(question["warm_start"]) == 16
     assert not (question["train"] & question["val"]) and not (question["warm_start"] & (question["train"] | question["val"]))
+    calls, answers = 0, 0
     for row in rows["warm_start"]:
-        (call,) = parse_hermes(row["response"])
-        expression = row["prompt"][-1]["content"].removeprefix("What is ").removesuffix("?")
-        assert call.name == "calculator" and call.arguments == {"expression": expression}
+        roles = [m["role"] for m in row["prompt"]]
+        expression = row["prompt"][1]["content"].removeprefix("What is ").removesuffix("?")
+        if roles == ["system", "user"]:            # the first move: the call
+            (call,) = parse_hermes(row["response"])
+            assert call.name == "calculator" and call.arguments == {"expression": expression}
+            calls += 1
+        else:                                      # the second move: the answer, once the call's result is there
+            assert roles == ["system", "user", "assistant", "tool"]
+            (call,) = parse_hermes(row["prompt"][2]["content"])
+            result = Toolbox(["calculator"]).call(call).text
+            assert call.arguments == {"expression": expression} and row["prompt"][3]["content"] == result
+            assert row["response"] == f"#### {result}" and result == calculator(expression)
+            answers += 1
+    assert calls == answers == 8
     for row in rows["val"]:
         expression = row["prompt"][-1]["content"].removeprefix("What is ").removesuffix("?")
         assert calculator(expression) == row["reward_model"]["ground_truth"]
