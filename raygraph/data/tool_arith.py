@@ -46,7 +46,8 @@ def _prompt(expression: str) -> list[dict]:
 def _warm_row(expression: str, answer: str, answer_move: bool) -> dict:
     """An SFT row of one move: the calculator call, or (`answer_move`) the final answer once the
     call and its result are in the conversation."""
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": %s}}</tool_call>' % json.dumps(expression)
+    arguments = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    call = f"<tool_call>{arguments}</tool_call>"
     if not answer_move:
         return {"prompt": _prompt(expression), "response": call}
     exchange = [{"role": "assistant", "content": call}, {"role": "tool", "content": answer}]
