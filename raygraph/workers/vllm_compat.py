@@ -67,7 +67,13 @@ from typing import Any
 
 import torch
 
-from raygraph.workers.vllm_deaths import FirstError, RolloutEngineDied, engine_guard, watch_engine
+from raygraph.workers.vllm_deaths import (
+    FirstError,
+    RolloutEngineDied,
+    engine_guard,
+    exit_when_orphaned,
+    watch_engine,
+)
 from raygraph.workers.vllm_staging import Staging, shared_tensors
 
 __all__ = [
@@ -339,6 +345,10 @@ class _WorkerExtension:
     def raygraph_record_errors(self, path: str) -> None:
         """Write the first exception logged by vLLM in this process (`vllm_deaths.watch_engine`)."""
         logging.getLogger("vllm").addHandler(FirstError(path))
+
+    def raygraph_exit_when_orphaned(self) -> None:
+        """Die with the process that started the engine (`vllm_deaths.exit_when_orphaned`)."""
+        exit_when_orphaned()
 
     def raygraph_scale_logits(self, factor: float) -> None:
         processor = getattr(self.model_runner.get_model(), "logits_processor", None)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import Any
 
 from raygraph.errors import RoleFailed
 
-__all__ = ["FirstError", "RolloutEngineDied", "engine_guard", "watch_engine"]
+__all__ = ["FirstError", "RolloutEngineDied", "engine_guard", "exit_when_orphaned", "watch_engine"]
 
 
 class RolloutEngineDied(RoleFailed, RuntimeError):
@@ -37,8 +40,25 @@ def watch_engine(engine: Any) -> Path:
     when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
     path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
     engine.collective_rpc("raygraph_record_errors", args=(str(path),))
+    engine.collective_rpc("raygraph_exit_when_orphaned")
     _wake_waiters_when_the_engine_dies(engine.llm_engine.engine_core, path)
     return path
+
+
+def exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """End this process (SIGKILL) once its parent is gone, checked every `poll_s` seconds.
+
+    Runs in the engine's processes: when the rollout actor's process dies and Ray's raylet is
+    not there to reap its children (the whole local Ray went down with the driver), the engine
+    would otherwise live on with its weights and KV cache (seen: 5.8 GB, idle, under init)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="raygraph-exit-when-orphaned", daemon=True).start()
 
 
 @contextlib.contextmanager
