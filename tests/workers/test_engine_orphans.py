@@ -68,12 +68,13 @@ def test_a_vllm_engine_dies_with_the_process_that_built_it(tiny_model_path, tmp_
     try:
         ready = any(line.startswith("READY") for line in holder.stdout)   # vLLM logs on stdout too
         assert ready, "the engine did not start"
-        engines = psutil.Process(holder.pid).children(recursive=True)
-        assert any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in engines)
+        engines = [p.pid for p in psutil.Process(holder.pid).children(recursive=True)
+                   if "EngineCore" in p.name() + " ".join(p.cmdline())]
+        assert engines, "no engine core process under the holder"
     finally:
         holder.kill()
         holder.wait()
     deadline = time.monotonic() + 15
-    while any(_alive(p.pid) for p in engines) and time.monotonic() < deadline:
+    while any(map(_alive, engines)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p.pid for p in engines if _alive(p.pid) and "EngineCore" in p.name() + " ".join(p.cmdline())]
+    assert not [pid for pid in engines if _alive(pid)], "the engine core outlived its process by 15 s"
