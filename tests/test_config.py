@@ -175,7 +175,7 @@ def test_the_keys_model_tiny_replaced_are_refused_with_the_new_spelling(tmp_path
     (with_(rollout={"xyz": 1}), "rollout.xyz is not a field; valid keys in rollout: engine, n, max_new_tokens, "
                                 "temperature, top_p, top_k, stop_token_ids, val_greedy, val_n, val_temperature, "
                                 "gpu_memory_utilization, max_model_len, tensor_parallel_size, enforce_eager, "
-                                "enable_prefix_caching, sleep_between_steps, micro_batch_size, agent"),
+                                "enable_prefix_caching, vllm_engine_core, sleep_between_steps, micro_batch_size, agent"),
 ])
 def test_unknown_key_names_dotted_path_and_closest_key(data, message):
     assert problems(data) == [message]
@@ -593,3 +593,22 @@ def test_more_tensor_parallel_ranks_than_the_rollout_bundle_has_gpus_is_a_config
     [problem] = [p for p in problems(MINIMAL, (*tp, "placement.gpus_per_worker=1")) if "tensor_parallel" in p]
     assert problem == "rollout.tensor_parallel_size=2 needs that many GPUs per rollout worker; the rollout bundles have 1"
     assert not [p for p in problems(MINIMAL, (*tp, "placement.gpus_per_worker=2")) if "tensor_parallel" in p]
+
+
+def test_an_engine_core_in_the_rollout_process_is_refused_where_it_cannot_be():
+    """`rollout.vllm_engine_core=in_process` (raygraph.workers.vllm_in_process): not beside a
+    colocated policy of several ranks, not on GPUs; `auto` and `own_process` are fine there; with the
+    HF engine the key is a vLLM setting like the others."""
+    ask = ("rollout.engine=vllm", "rollout.vllm_engine_core=in_process")
+    core = lambda found: [p for p in found if "vllm_engine_core" in p]  # noqa: E731
+    assert core(problems(MINIMAL, (*ask, "placement.mode=colocated", "placement.train_workers=2"))) == [
+        "rollout.vllm_engine_core=in_process: colocated with 2 policy ranks, vLLM would take their torch.distributed "
+        "group as its own world; use auto or own_process"]
+    assert core(problems(MINIMAL, (*ask, "placement.gpus_per_worker=1"))) == [
+        "rollout.vllm_engine_core=in_process: it runs on vLLM's CPU build with tensor_parallel_size 1 only; "
+        "use auto or own_process"]
+    assert core(problems(MINIMAL, ask)) == []
+    assert core(problems(MINIMAL, ("rollout.engine=vllm", "placement.mode=colocated", "placement.train_workers=2"))) == []
+    assert core(problems(MINIMAL, ("rollout.engine=hf", "rollout.vllm_engine_core=own_process"))) == [
+        "rollout.vllm_engine_core is a vLLM setting, but the rollout engine is hf (rollout.engine=hf); "
+        "set rollout.engine=vllm or remove it"]

@@ -211,7 +211,8 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
     if cfg.resolved_rollout_engine != "vllm":
         vllm_only = [k for k in ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching")
                      if getattr(rollout, k) is not None] + (["sleep_between_steps"] if rollout.sleep_between_steps
-                                                           else [])
+                                                           else []) \
+            + (["vllm_engine_core"] if rollout.vllm_engine_core != "auto" else [])
         return [f"rollout.{k} is a vLLM setting, but the rollout engine is hf (rollout.engine={rollout.engine}); "
                 "set rollout.engine=vllm or remove it"
                 for k in vllm_only]
@@ -226,7 +227,20 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
     if rollout.tensor_parallel_size > 1 and gpus < rollout.tensor_parallel_size:
         problems.append(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs that many GPUs per "
                         f"rollout worker; the rollout bundles have {gpus:g}")
+    if rollout.vllm_engine_core == "in_process":
+        problems.extend(_in_process_problems(cfg, gpus))
     return problems
+
+
+def _in_process_problems(cfg: RaygraphConfig, gpus: float) -> list[str]:
+    """Where `rollout.vllm_engine_core=in_process` cannot be (raygraph.workers.vllm_in_process)."""
+    place, why = cfg.placement, []
+    if gpus > 0 or cfg.rollout.tensor_parallel_size > 1:
+        why.append("it runs on vLLM's CPU build with tensor_parallel_size 1 only")
+    if place.mode == "colocated" and place.train_workers > 1:
+        why.append(f"colocated with {place.train_workers} policy ranks, vLLM would take their torch.distributed "
+                   "group as its own world")
+    return [f"rollout.vllm_engine_core=in_process: {w}; use auto or own_process" for w in why]
 
 
 def _vllm_cpu_seeding(cfg: RaygraphConfig) -> list[str]:

@@ -180,6 +180,10 @@ class RolloutConfig(Section):
                                                   "~15 s instead of ~45 s on CPU; decoding is slower on GPU).")
     enable_prefix_caching: bool | None = Field(None, description="vllm: reuse the KV cache of a prompt "
                                                                  "across its n samples; null = vLLM's default.")
+    vllm_engine_core: Literal["auto", "in_process", "own_process"] = Field(
+        "auto", description="vllm: where the engine core runs. auto = in the rollout worker's process on the CPU "
+        "build with tensor_parallel_size 1 unless a multi-rank trained role shares that process (starts ~10 s "
+        "sooner, no second process), else a process of its own; docs/vllm.md.")
     sleep_between_steps: bool = Field(False, description="vllm, colocated on GPUs: the engine sleeps (weights "
                                                          "offloaded, KV cache freed) while the policy trains "
                                                          "and wakes for the weight sync and the next "

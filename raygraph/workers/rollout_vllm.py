@@ -51,7 +51,7 @@ from raygraph.batch import (
 )
 from raygraph.models.loading import load_tokenizer
 from raygraph.models.lora import LoraSpec
-from raygraph.workers import rollout_engine, vllm_compat
+from raygraph.workers import rollout_engine, vllm_compat, vllm_in_process
 from raygraph.workers.agent_rollout import VLLMTurns, agent_loop, generate_episodes, no_episodes
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
@@ -90,6 +90,8 @@ class VLLMRolloutWorker:
             engine serves the adapter with vLLM's LoRA support) or "merged" (full weights).
         agent: multi-turn episodes instead of single responses: the `AgentLoop` arguments
             (`raygraph.agents.loop`, from `rollout.agent`); each turn is its own request.
+        engine_core: where vLLM's engine core runs (`raygraph.workers.vllm_in_process`): "auto"
+            (in this process where possible), "in_process" or "own_process".
     """
 
     @staticmethod
@@ -104,7 +106,7 @@ class VLLMRolloutWorker:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                  enable_sleep_mode: bool = False, enable_prefix_caching: bool | None = None,
                  enforce_eager: bool = True, max_num_seqs: int | None = None, lora: LoraSpec | None = None,
-                 lora_sync: str = "merged", agent: dict | None = None) -> None:
+                 lora_sync: str = "merged", agent: dict | None = None, engine_core: str = "auto") -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -125,7 +127,8 @@ class VLLMRolloutWorker:
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-            max_lora_rank=None if self._adapter is None else lora.rank)
+            max_lora_rank=None if self._adapter is None else lora.rank,
+            in_process=vllm_in_process.resolve(engine_core, tensor_parallel_size))
         self._errors = vllm_compat.watch_engine(self.engine)
         if temperature != 1.0:
             vllm_compat.scale_logits(self.engine, 1.0 / temperature)

@@ -74,12 +74,13 @@ from raygraph.workers.vllm_deaths import (
     exit_when_orphaned,
     watch_engine,
 )
+from raygraph.workers.vllm_in_process import engine_here
 from raygraph.workers.vllm_staging import Staging, shared_tensors
 
 __all__ = [
     "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
     "watch_engine", "begin_weight_update", "build_engine", "finish_weight_update",
-    "abort_requests", "add_token_request", "finished_requests", "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
+    "abort_requests", "add_token_request", "finished_requests", "generate_tokens", "in_process", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
     "sampling_params", "scale_logits", "shutdown", "sleep", "vllm_version", "wake_up",
 ]
 
@@ -119,10 +120,11 @@ def on_cpu() -> bool:
 def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int | None,
                  tensor_parallel_size: int, gpu_memory_utilization: float | None,
                  enable_sleep_mode: bool, enable_prefix_caching: bool | None, enforce_eager: bool,
-                 max_num_seqs: int | None, max_lora_rank: int | None = None) -> Any:
+                 max_num_seqs: int | None, max_lora_rank: int | None = None, in_process: bool = False) -> Any:
     """An offline `vllm.LLM` engine set up for raygraph (see the module docstring).
 
     `max_lora_rank`: serve LoRA adapters up to this rank (one at a time); None: no LoRA.
+    `in_process`: the engine core runs in this process (`raygraph.workers.vllm_in_process`).
 
     Raises:
         ValueError: a GPU-only feature was asked for on the CPU backend.
@@ -154,13 +156,14 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         extra["distributed_executor_backend"] = UniProcExecutor
-    llm = LLM(
-        model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-        enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager,
-        logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=_EXTENSION,
-        **extra,
-    )
+    with engine_here(in_process):
+        llm = LLM(
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager,
+            logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=_EXTENSION,
+            **extra,
+        )
     return llm
 
 
@@ -305,8 +308,14 @@ def begin_weight_update(engine: Any) -> None:
 
 
 def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
-    """Send one bucket (HF checkpoint names) to every engine worker and load it: through a
-    shared-memory file where /dev/shm has room (`vllm_staging`), else as RPC arguments."""
+    """Send one bucket (HF checkpoint names) to every engine worker and load it: to an engine core
+    in this process (`vllm_in_process`) as copies of the tensors (one memory copy: vLLM keeps the
+    tensors of a layer until its last one arrives, and a transport reuses its buffers for the next
+    bucket), else through a shared-memory file where /dev/shm has room (`vllm_staging`), else as
+    RPC arguments."""
+    if in_process(engine):
+        engine.collective_rpc("raygraph_load_tensors", args=([(name, t.clone()) for name, t in bucket],))
+        return
     staging = Staging.for_engine(engine, sum(t.nbytes for _, t in bucket))
     if staging is None:
         engine.collective_rpc("raygraph_load_bucket", args=(_to_wire(bucket),))
@@ -314,6 +323,13 @@ def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
     layout = staging.write(bucket)
     engine.collective_rpc("raygraph_load_shared", args=(staging.path, staging.nbytes, layout))
     staging.mapped()
+
+
+def in_process(engine: Any) -> bool:
+    """True when the engine core runs in this process (`raygraph.workers.vllm_in_process`)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(engine.llm_engine.engine_core, InprocClient)
 
 
 def finish_weight_update(engine: Any) -> None:
@@ -372,6 +388,13 @@ class _WorkerExtension:
 
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             self.model_runner.get_model().load_weights(weights=_from_wire(wire))
+
+    def raygraph_load_tensors(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """A bucket handed over in memory (the engine core in the caller's process)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights(weights=iter(bucket))
 
     def raygraph_load_shared(self, path: str, nbytes: int, layout: list) -> None:
         from vllm.config import set_current_vllm_config

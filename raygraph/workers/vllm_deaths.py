@@ -40,9 +40,38 @@ def watch_engine(engine: Any) -> Path:
     when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
     path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
     engine.collective_rpc("raygraph_record_errors", args=(str(path),))
-    engine.collective_rpc("raygraph_exit_when_orphaned")
-    _wake_waiters_when_the_engine_dies(engine.llm_engine.engine_core, path)
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = engine.llm_engine.engine_core
+    if isinstance(client, InprocClient):
+        _dead_after_a_failed_step(client, path)
+    else:   # an engine process of its own
+        engine.collective_rpc("raygraph_exit_when_orphaned")
+        _wake_waiters_when_the_engine_dies(client, path)
     return path
+
+
+def _dead_after_a_failed_step(client: Any, errors: Path) -> None:
+    """An engine core in this process (`raygraph.workers.vllm_in_process`) raises out of a failed
+    step instead of dying: made to behave as a dead engine process does. The failure is written
+    into `errors` and raised as `EngineDeadError`, and so is every later step (a half-run step
+    leaves the scheduler in no state to continue)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    step, dead = client.get_output, []
+
+    def get_output(*args: Any, **kwargs: Any) -> Any:
+        if dead:
+            raise EngineDeadError()
+        try:
+            return step(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure inside the engine's step kills it
+            dead.append(exc)
+            if not (errors.is_file() and errors.read_text().strip()):
+                errors.write_text(f"{type(exc).__name__}: {exc}")
+            raise EngineDeadError() from exc
+
+    client.get_output = get_output
 
 
 def exit_when_orphaned(poll_s: float = 1.0) -> None:

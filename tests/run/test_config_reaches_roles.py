@@ -101,6 +101,7 @@ ROWS = [
     ("vllm", ["data.max_prompt_length=70"], {("rollout", "max_model_len"): 70 + 8}),
     ("vllm", ["rollout.enforce_eager=false"], {("rollout", "enforce_eager"): False}),
     ("vllm", ["rollout.enable_prefix_caching=true"], {("rollout", "enable_prefix_caching"): True}),
+    ("vllm", ["rollout.vllm_engine_core=own_process"], {("rollout", "engine_core"): "own_process"}),
     ("remote", ["reward.remote.timeout_s=4.5"], {("reward", "timeout_s"): 4.5}),
     ("remote", ["reward.remote.max_retries=5"], {("reward", "max_retries"): 5}),
     ("remote", ["reward.remote.backoff_s=0.25"], {("reward", "backoff_s"): 0.25}),

@@ -38,7 +38,8 @@ def test_a_process_with_the_guard_dies_soon_after_its_parent():
     assert not _alive(child), "the child outlived its parent by 10 s"
 
 
-# a process that builds a vLLM rollout worker (its engine core is a child process), prints its pid
+# a process that builds a vLLM rollout worker with its engine core in a child process (on GPUs always;
+# on the CPU build by default the engine core runs in the worker's process and cannot outlive it)
 HOLD_AN_ENGINE = """
 import os, sys, time
 
@@ -46,7 +47,8 @@ import os, sys, time
 def main():
     from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
-    VLLMRolloutWorker(model_path=sys.argv[1], max_new_tokens=4, max_model_len=64, gpu_memory_utilization=0.05)
+    VLLMRolloutWorker(model_path=sys.argv[1], max_new_tokens=4, max_model_len=64, gpu_memory_utilization=0.05,
+                      engine_core="own_process")
     print("READY", os.getpid(), flush=True)
     time.sleep(600)
 

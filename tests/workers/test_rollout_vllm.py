@@ -245,26 +245,74 @@ def test_sleep_mode_is_refused_on_the_cpu_backend(model_paths):
         VLLMRolloutWorker(model_path=model_paths[0], max_new_tokens=4, enable_sleep_mode=True)
 
 
-def test_the_cpu_engine_is_one_process_running_the_model_with_the_callers_threads(worker):
-    """vllm_compat runs the model inside the engine core process on the CPU build (vLLM's CPU
-    platform would start a worker process beside it, bound to cores of its choosing)."""
+def test_the_cpu_engine_core_runs_in_the_workers_process_and_leaves_its_threads_and_rngs_alone(
+        model_paths, stop_ids):
+    """On the CPU build with one rank the engine core runs in the worker's process
+    (`vllm_engine_core=auto`, raygraph.workers.vllm_in_process): no vLLM process is started, and
+    what vLLM does to a process it runs in is undone: the global RNGs are not reseeded,
+    `torch.set_num_threads` still works, the thread count is the caller's."""
+    import random
+
     import psutil
 
     from raygraph.workers import vllm_compat
 
     if not vllm_compat.on_cpu():
-        pytest.skip("the CPU build's executor")
-    # Only vLLM's processes: a Ray cluster another test of this pytest worker started is a child too.
-    kids = [k for k in psutil.Process().children(recursive=True) if k.name().startswith("VLLM")]
-    assert [k.name() for k in kids] == ["VLLM::EngineCore"]   # no VLLM::Worker
-    (engine,) = kids
-    assert engine.cpu_affinity() == psutil.Process().cpu_affinity()   # no core binding of its own
+        pytest.skip("the CPU build's engine")
+
+    def seed_and_draw(build=None):
+        torch.manual_seed(1234)
+        random.seed(1234)
+        np.random.seed(1234)
+        built = build() if build else None
+        return built, (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+
+    torch.set_num_threads(2)
+    _, expected = seed_and_draw()
+    w, drawn = seed_and_draw(lambda: VLLMRolloutWorker(model_path=model_paths[0], seed=3, n=2,
+                                                       stop_token_ids=stop_ids, **SAMPLING))
+    try:
+        assert drawn == expected   # vLLM seeds the process's RNGs with 3 (and draws) when it runs here
+        # Only vLLM's processes: a Ray cluster another test of this pytest worker started is a child too.
+        assert [k.name() for k in psutil.Process().children(recursive=True) if k.name().startswith("VLLM")] == []
+        # vLLM asks for 1 thread "for serving" during its start-up and leaves set_num_threads a no-op
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        ids = torch.full((2, 3), 10)
+        out = w.generate(Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: ["a", "b"]}))
+        assert len(out) == 4
+    finally:
+        torch.set_num_threads(1)
+        w.close()
 
 
-def test_killing_the_engine_process_mid_generate_raises_instead_of_hanging(worker):
-    """Runs last (it kills the module's engine). vLLM 0.32's offline client stops reading outputs
-    when its engine core process dies, so a `generate` in flight waited for ever; raygraph's
-    watcher (vllm_compat) hands it `RolloutEngineDied`, naming the process and the signal."""
+def test_in_process_is_refused_where_vllm_would_take_a_trained_roles_group(monkeypatch):
+    """A colocated process in a torch.distributed group of several ranks keeps the engine in a
+    process of its own (auto); asking for in_process there is a clear error."""
+    import torch.distributed as dist
+
+    from raygraph.workers import vllm_compat, vllm_in_process
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    assert vllm_in_process.resolve("auto", 1) is False
+    with pytest.raises(ValueError, match="rank 1 of a torch.distributed group of 2"):
+        vllm_in_process.resolve("in_process", 1)
+    assert vllm_in_process.resolve("own_process", 1) is False
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    assert vllm_in_process.resolve("auto", 1) is vllm_compat.on_cpu()
+    assert vllm_in_process.resolve("auto", 2) is False
+    with pytest.raises(ValueError, match="valid: auto, in_process, own_process"):
+        vllm_in_process.resolve("inline", 1)
+
+
+def test_killing_the_engine_process_mid_generate_raises_instead_of_hanging(model_paths, stop_ids):
+    """An engine core in a process of its own (`own_process`; on GPUs always). vLLM 0.32's
+    offline client stops reading outputs when its engine core process dies, so a `generate` in
+    flight waited for ever; raygraph's watcher (vllm_compat) hands it `RolloutEngineDied`, naming
+    the process and the signal."""
     import os
     import signal
     import threading
@@ -274,6 +322,8 @@ def test_killing_the_engine_process_mid_generate_raises_instead_of_hanging(worke
 
     from raygraph.workers import vllm_compat
 
+    worker = VLLMRolloutWorker(model_path=model_paths[0], seed=3, n=2, stop_token_ids=stop_ids,
+                               engine_core="own_process", **SAMPLING)
     ids = torch.full((64, 4), 10)
     batch = Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: [f"p{i}" for i in range(64)]})
     worker.max_new_tokens, worker.stop_token_ids = 256, [worker.tokenizer.eos_token_id]   # long: killed in flight

@@ -44,3 +44,35 @@ def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weight
     assert (after[ROLLOUT_LOGPROBS] - recomputed).abs()[after[RESPONSE_MASK] == 1].max() < 1e-4
     # Unfiltered, the engine logs "RotaryEmbedding: Failed to load weights" and the same for ParallelLMHead.
     assert "Failed to load weights" not in log.out + log.err
+
+
+def _through_one_reused_buffer(named: list[tuple[str, torch.Tensor]]):
+    """One tensor a bucket, each a view into the same buffer, which is overwritten with NaN when
+    the next bucket is asked for: what a collective transport's reused payload buffers hand over
+    (`raygraph.cluster.weights`: a load must copy what it keeps)."""
+    buffer = torch.empty(max(t.numel() for _, t in named))
+    for name, tensor in named:
+        view = buffer[:tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        yield [(name, view)]
+        buffer.fill_(float("nan"))
+
+
+def test_an_update_through_a_reused_buffer_loads_every_layer_whole(tmp_path):
+    """vLLM's layerwise reload keeps the tensors of a layer until its last one arrives (q, k and v
+    of one attention come in three buckets here): the engine must copy them, or the layer is
+    built from a buffer the next bucket overwrote. After the update the engine's log-probs are
+    the new model's."""
+    old, new = (str(build_tiny_lm(tmp_path / name, size="small", seed=seed)) for name, seed in (("a", 0), ("b", 1)))
+    ids = torch.tensor([load_tokenizer(old)("<|user|>1+2=<|end|><|assistant|>", add_special_tokens=False).input_ids])
+    prompt = Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: ["p"]})
+    worker = VLLMRolloutWorker(model_path=old, max_new_tokens=8, enforce_eager=True, gpu_memory_utilization=0.03)
+    try:
+        named = [(n, p.detach()) for n, p in load_causal_lm(new, dtype="float32").named_parameters()]
+        assert worker.load_weights(_through_one_reused_buffer(named), version=1)["loaded"] == len(named)
+        after = worker.generate(prompt, greedy=True)
+    finally:
+        worker.close()
+    recomputed = response_logprobs(load_causal_lm(new, dtype="float32"), after, temperature=1.0)[0]
+    diff = (after[ROLLOUT_LOGPROBS] - recomputed).abs()[after[RESPONSE_MASK] == 1]
+    assert torch.isfinite(after[ROLLOUT_LOGPROBS]).all() and diff.max() < 1e-4

@@ -1,0 +1,94 @@
+"""A vLLM engine core in the rollout worker's own process (`rollout.vllm_engine_core`).
+
+By default vLLM starts its engine core in a process of its own, which imports vLLM, torch and the
+model code again: on the 2-core CPU machine a tiny model's engine start took 24 s and ~27 CPU-seconds that
+way, against 13 s and ~16 CPU-seconds with the engine core in the caller (docs/benchmarks.md,
+section 14). There is then no second process to die, hang a `generate` or outlive its actor.
+
+It is possible when vLLM runs on its CPU build with one rank (`tensor_parallel_size` 1), and the
+process is in no torch.distributed group of more than one rank: vLLM's engine sets up its own
+world group on the default process group, and a trained role's group of N ranks there would become
+the engine's world (colocated policy ranks > 1 keep the engine in its own process). On GPUs the
+engine keeps its process (CUDA contexts, NCCL, tensor parallelism).
+
+What vLLM does to a process it runs in, and `engine_here` undoes: it reseeds the global RNGs
+(torch, random, numpy) with the engine's seed, replaces `torch.set_num_threads` by a no-op (and
+asks for 1 torch thread "for serving"), and freezes its own environment variables (`vllm.envs`: cleared before a build).
+It also binds the process's memory to the NUMA node of its first CPU, which matters on
+multi-socket hosts only (`own_process` there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["CHOICES", "engine_here", "in_process_problem", "resolve"]
+
+CHOICES = ("auto", "in_process", "own_process")
+_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def in_process_problem(tensor_parallel_size: int) -> str | None:
+    """Why the engine core cannot run in this process (None: it can)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return f"vLLM runs on {current_platform.device_type!r}, not on its CPU build"
+    if tensor_parallel_size != 1:
+        return f"tensor_parallel_size={tensor_parallel_size} (one rank only)"
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return (f"this process is rank {dist.get_rank()} of a torch.distributed group of {dist.get_world_size()} "
+                "(a colocated trained role), which vLLM would take as its own world")
+    return None
+
+
+def resolve(choice: str, tensor_parallel_size: int) -> bool:
+    """True: run the engine core here. `choice` is one of `CHOICES`.
+
+    Raises:
+        ValueError: `in_process` asked for where it cannot be (the reason is named).
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"vllm_engine_core={choice!r}; valid: {', '.join(CHOICES)}")
+    if choice == "own_process":
+        return False
+    problem = in_process_problem(tensor_parallel_size)
+    if problem is not None and choice == "in_process":
+        raise ValueError(f"rollout.vllm_engine_core=in_process is not possible: {problem}; "
+                         "use auto or own_process")
+    return problem is None
+
+
+@contextlib.contextmanager
+def engine_here(in_process: bool) -> Iterator[None]:
+    """Build a `vllm.LLM` inside: in this process when `in_process`, else in a process of its
+    own; this process's RNG states and `torch.set_num_threads` are as before afterwards."""
+    from vllm import envs
+
+    envs.disable_envs_cache()   # an engine built here before froze them; read this one's choice
+    before = os.environ.get(_ENV)
+    os.environ[_ENV] = "0" if in_process else "1"
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        # its start-up asks for 1 thread "for serving" (`set_torch_threads_for_runtime`; today only its own
+        # no-op stops it): the caller's count is put back whatever happened
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+        if before is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = before
