@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,11 @@ def watch_engine(engine: Any) -> Path:
 def _dead_after_a_failed_step(client: Any, errors: Path) -> None:
     """An engine core in this process (`raygraph.workers.vllm_in_process`) raises out of a failed
     step instead of dying: made to behave as a dead engine process does. The failure is written
-    into `errors` and raised as `EngineDeadError`, and so is every later step (a half-run step
-    leaves the scheduler in no state to continue)."""
+    into `errors` and raised as `EngineDeadError`; from then on every step, request and RPC raises
+    it too and an abort does nothing (a half-run step leaves the scheduler in no state to go on).
+    Steps run under `torch.random.fork_rng`: the CPU sampler draws from the global torch RNG,
+    which here is the actor's (a colocated policy's)."""
+    import torch
     from vllm.v1.engine.exceptions import EngineDeadError
 
     step, dead = client.get_output, []
@@ -64,14 +67,25 @@ def _dead_after_a_failed_step(client: Any, errors: Path) -> None:
         if dead:
             raise EngineDeadError()
         try:
-            return step(*args, **kwargs)
+            with torch.random.fork_rng(devices=[]):
+                return step(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure inside the engine's step kills it
             dead.append(exc)
-            if not (errors.is_file() and errors.read_text().strip()):
-                errors.write_text(f"{type(exc).__name__}: {exc}")
+            errors.write_text(f"{type(exc).__name__}: {exc}")   # the cause, whatever was logged before
             raise EngineDeadError() from exc
 
+    def refused_when_dead(method: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if dead:
+                raise EngineDeadError()
+            return method(*args, **kwargs)
+        return call
+
+    abort = client.abort_requests
     client.get_output = get_output
+    client.add_request = refused_when_dead(client.add_request)
+    client.collective_rpc = refused_when_dead(client.collective_rpc)
+    client.abort_requests = lambda request_ids: None if dead else abort(request_ids)
 
 
 def exit_when_orphaned(poll_s: float = 1.0) -> None:

@@ -13,14 +13,20 @@ engine keeps its process (CUDA contexts, NCCL, tensor parallelism).
 
 What vLLM does to a process it runs in, and `engine_here` undoes: it reseeds the global RNGs
 (torch, random, numpy) with the engine's seed, replaces `torch.set_num_threads` by a no-op (and
-asks for 1 torch thread "for serving"), and freezes its own environment variables (`vllm.envs`: cleared before a build).
-It also binds the process's memory to the NUMA node of its first CPU, which matters on
-multi-socket hosts only (`own_process` there).
+asks for 1 torch thread "for serving"), freezes the garbage collector's heap (`gc.freeze`) and
+its own environment variables (`vllm.envs`: cleared before a build). Each engine step draws from
+the global torch RNG (the CPU sampler's per-step seeds; raygraph's rows are seeded, so not what
+is sampled): `vllm_deaths` runs the steps under `torch.random.fork_rng`. Closing an engine would
+destroy the process's torch.distributed state, which a world-1 policy in the same process shares
+with it: `engine_here` makes vLLM's shutdown keep it. It also binds the process's memory to the
+NUMA node of its first CPU: `auto` keeps the engine in its own process on a host with several
+NUMA nodes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 from collections.abc import Iterator
@@ -42,6 +48,11 @@ def in_process_problem(tensor_parallel_size: int) -> str | None:
         return f"vLLM runs on {current_platform.device_type!r}, not on its CPU build"
     if tensor_parallel_size != 1:
         return f"tensor_parallel_size={tensor_parallel_size} (one rank only)"
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(nodes := get_visible_memory_node()) > 1:
+        return (f"this host has {len(nodes)} NUMA memory nodes, and vLLM would bind the whole process's memory "
+                "to one of them")
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -74,6 +85,8 @@ def engine_here(in_process: bool) -> Iterator[None]:
     from vllm import envs
 
     envs.disable_envs_cache()   # an engine built here before froze them; read this one's choice
+    if in_process:
+        _keep_distributed_state_at_shutdown()
     before = os.environ.get(_ENV)
     os.environ[_ENV] = "0" if in_process else "1"
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
@@ -85,6 +98,8 @@ def engine_here(in_process: bool) -> Iterator[None]:
         # its start-up asks for 1 thread "for serving" (`set_torch_threads_for_runtime`; today only its own
         # no-op stops it): the caller's count is put back whatever happened
         torch.set_num_threads(threads)
+        if in_process:
+            gc.unfreeze()   # vLLM froze the heap at its start (shorter GC pauses in its own process)
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         np.random.set_state(rng[2])
@@ -92,3 +107,18 @@ def engine_here(in_process: bool) -> Iterator[None]:
             os.environ.pop(_ENV, None)
         else:
             os.environ[_ENV] = before
+
+
+def _keep_distributed_state_at_shutdown() -> None:
+    """vLLM's engine shutdown ends with `cleanup_dist_env_and_memory`, which destroys the process's
+    default torch.distributed group and vLLM's own groups (right in a process of its own). In the
+    rollout worker's process they may be the policy's group (world 1) and another live engine's:
+    only the garbage collector and vLLM's env cache are reset there."""
+    from vllm import envs
+    from vllm.v1.engine import core
+
+    def reset_without_destroying(shutdown_ray: bool = False) -> None:
+        envs.disable_envs_cache()
+        gc.unfreeze()
+
+    core.cleanup_dist_env_and_memory = reset_without_destroying

@@ -246,11 +246,13 @@ def test_sleep_mode_is_refused_on_the_cpu_backend(model_paths):
 
 
 def test_the_cpu_engine_core_runs_in_the_workers_process_and_leaves_its_threads_and_rngs_alone(
-        model_paths, stop_ids):
+        worker, model_paths, stop_ids):
     """On the CPU build with one rank the engine core runs in the worker's process
     (`vllm_engine_core=auto`, raygraph.workers.vllm_in_process): no vLLM process is started, and
-    what vLLM does to a process it runs in is undone: the global RNGs are not reseeded,
-    `torch.set_num_threads` still works, the thread count is the caller's."""
+    what vLLM does to a process it runs in is undone: the global RNGs are neither reseeded by the
+    build nor moved by generating, `torch.set_num_threads` still works, the thread count is the
+    caller's, and closing one engine leaves the process's distributed state to the other (the
+    module's)."""
     import random
 
     import psutil
@@ -280,11 +282,16 @@ def test_the_cpu_engine_core_runs_in_the_workers_process_and_leaves_its_threads_
         torch.set_num_threads(1)
         assert torch.get_num_threads() == 1
         ids = torch.full((2, 3), 10)
-        out = w.generate(Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: ["a", "b"]}))
-        assert len(out) == 4
+        batch = Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: ["a", "b"]})
+        torch.manual_seed(99)
+        want = torch.rand(3)
+        torch.manual_seed(99)
+        assert len(w.generate(batch)) == 4
+        assert torch.equal(torch.rand(3), want)   # the CPU sampler's per-step draws stay in the engine
     finally:
         torch.set_num_threads(1)
         w.close()
+    assert len(worker.generate(batch)) == 4   # vLLM's shutdown would have destroyed its process groups
 
 
 def test_in_process_is_refused_where_vllm_would_take_a_trained_roles_group(monkeypatch):
@@ -306,6 +313,13 @@ def test_in_process_is_refused_where_vllm_would_take_a_trained_roles_group(monke
     assert vllm_in_process.resolve("auto", 2) is False
     with pytest.raises(ValueError, match="valid: auto, in_process, own_process"):
         vllm_in_process.resolve("inline", 1)
+    if vllm_compat.on_cpu():   # several NUMA nodes: vLLM would bind the whole process's memory to one
+        from vllm.utils import cpu_resource_utils
+
+        monkeypatch.setattr(cpu_resource_utils, "get_visible_memory_node", lambda: [0, 1])
+        assert vllm_in_process.resolve("auto", 1) is False
+        with pytest.raises(ValueError, match="2 NUMA memory nodes"):
+            vllm_in_process.resolve("in_process", 1)
 
 
 def test_killing_the_engine_process_mid_generate_raises_instead_of_hanging(model_paths, stop_ids):
