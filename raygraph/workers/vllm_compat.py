@@ -13,11 +13,11 @@ What is used, and why:
   `processed_*` (after temperature AND after top-k/top-p, renormalised). The policy recomputes
   `log_softmax(logits / temperature)` before truncation, which neither gives when temperature
   != 1 and top-k/top-p are on. So the engine's logits are scaled by `1 / temperature` once, in
-  the model's `LogitsProcessor.scale` (`_WorkerExtension.raygraph_scale_logits`), and requests
+  the model's `LogitsProcessor.scale` (`vllm_worker_extension.WorkerExtension.raygraph_scale_logits`), and requests
   sample at temperature 1: the sampled distribution is unchanged (vLLM applies top-k/top-p after
   temperature either way), argmax is unchanged, and `raw_logprobs` are then exactly
   `log_softmax(logits / temperature)`, for sampled and greedy requests alike.
-* Weight updates: `worker_extension_cls` mixes `_WorkerExtension` into vLLM's worker and
+* Weight updates: `worker_extension_cls` mixes `vllm_worker_extension.WorkerExtension` into vLLM's worker and
   `LLM.collective_rpc` calls its methods: begin (`initialize_layerwise_reload`), one call per
   bucket (`model.load_weights`, HF checkpoint names), finish (`finalize_layerwise_reload`).
   The layerwise reload is needed because vLLM repacks weights after loading (on CPU every
@@ -68,19 +68,17 @@ from typing import Any
 import torch
 
 from raygraph.workers.vllm_deaths import (
-    FirstError,
     RolloutEngineDied,
     engine_guard,
-    exit_when_orphaned,
     watch_engine,
 )
-from raygraph.workers.vllm_in_process import engine_here
-from raygraph.workers.vllm_staging import Staging, shared_tensors
+from raygraph.workers.vllm_in_process import engine_here, runs_here
+from raygraph.workers.vllm_staging import Staging
 
 __all__ = [
     "SUPPORTED_VLLM", "RolloutEngineDied", "add_lora", "engine_guard", "seeded_sampling_problem",
     "watch_engine", "begin_weight_update", "build_engine", "finish_weight_update",
-    "abort_requests", "add_token_request", "finished_requests", "generate_tokens", "in_process", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
+    "abort_requests", "add_token_request", "finished_requests", "generate_tokens", "load_bucket", "lora_support", "max_model_len", "on_cpu", "remove_lora",
     "sampling_params", "scale_logits", "shutdown", "sleep", "vllm_version", "wake_up",
 ]
 
@@ -88,7 +86,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = (">=0.32", "<0.33")
 _MIN, _NEXT = (0, 32), (0, 33)
-_EXTENSION = f"{__name__}._WorkerExtension"
+_EXTENSION = "raygraph.workers.vllm_worker_extension.WorkerExtension"
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vllm.config.lora.MaxLoRARanks in 0.32
 
 
@@ -313,7 +311,7 @@ def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
     tensors of a layer until its last one arrives, and a transport reuses its buffers for the next
     bucket), else through a shared-memory file where /dev/shm has room (`vllm_staging`), else as
     RPC arguments."""
-    if in_process(engine):
+    if runs_here(engine):
         engine.collective_rpc("raygraph_load_tensors", args=([(name, t.clone()) for name, t in bucket],))
         return
     staging = Staging.for_engine(engine, sum(t.nbytes for _, t in bucket))
@@ -323,13 +321,6 @@ def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
     layout = staging.write(bucket)
     engine.collective_rpc("raygraph_load_shared", args=(staging.path, staging.nbytes, layout))
     staging.mapped()
-
-
-def in_process(engine: Any) -> bool:
-    """True when the engine core runs in this process (`raygraph.workers.vllm_in_process`)."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    return isinstance(engine.llm_engine.engine_core, InprocClient)
 
 
 def finish_weight_update(engine: Any) -> None:
@@ -353,101 +344,6 @@ def shutdown(engine: Any) -> None:
         staging.close()
 
 
-class _WorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in each engine worker
-    process and is reached through `LLM.collective_rpc`. Method names are prefixed so they
-    cannot collide with the worker's own (vLLM asserts that)."""
-
-    def raygraph_record_errors(self, path: str) -> None:
-        """Write the first exception logged by vLLM in this process (`vllm_deaths.watch_engine`)."""
-        logging.getLogger("vllm").addHandler(FirstError(path))
-
-    def raygraph_exit_when_orphaned(self) -> None:
-        """Die with the process that started the engine (`vllm_deaths.exit_when_orphaned`)."""
-        exit_when_orphaned()
-
-    def raygraph_scale_logits(self, factor: float) -> None:
-        processor = getattr(self.model_runner.get_model(), "logits_processor", None)
-        if processor is None or not hasattr(processor, "scale"):
-            raise RuntimeError(f"{type(self.model_runner.get_model()).__name__} has no LogitsProcessor "
-                               f"with a `scale`: raygraph cannot apply the sampling temperature")
-        base = processor.__dict__.setdefault("_raygraph_base_scale", processor.scale)
-        processor.scale = base * factor
-
-    def raygraph_begin_weight_update(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        _quiet_known_reload_warnings()
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            initialize_layerwise_reload(self.model_runner.get_model())
-
-    def raygraph_load_bucket(self, wire: list[tuple[str, str, list[int], bytes]]) -> None:
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self.model_runner.get_model().load_weights(weights=_from_wire(wire))
-
-    def raygraph_load_tensors(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """A bucket handed over in memory (the engine core in the caller's process)."""
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self.model_runner.get_model().load_weights(weights=iter(bucket))
-
-    def raygraph_load_shared(self, path: str, nbytes: int, layout: list) -> None:
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self.model_runner.get_model().load_weights(weights=shared_tensors(path, nbytes, layout))
-
-    def raygraph_finish_weight_update(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-            _reprocess_tied_layers(model)
-        self.model_runner.reset_encoder_cache()
-
-
-class _KnownReloadWarnings(logging.Filter):
-    """Drops the reload's per-update "<Layer>: Failed to load weights" warning for layers that
-    hold no checkpoint tensors (rotary embeddings) or are tied and reprocessed here (lm_head)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
-
-
-def _quiet_known_reload_warnings() -> None:
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("vllm.model_executor.model_loader"):
-            target = logging.getLogger(name)
-            if not any(isinstance(f, _KnownReloadWarnings) for f in target.filters):
-                target.addFilter(_KnownReloadWarnings())
-
-
-def _reprocess_tied_layers(model: torch.nn.Module) -> None:
-    """Re-run weight post-processing on layers whose weight is another layer's (a tied lm_head).
-
-    The layerwise reload processes the layer that loads a tied tensor (embed_tokens), not the
-    layers sharing it; the CPU backend packs the lm_head's GEMM weight at processing time, so
-    without this the logits would still come from the old embedding.
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    owner: dict[int, str] = {}
-    for name, module in model.named_modules():
-        weight = module._parameters.get("weight")
-        if weight is None:
-            continue
-        if id(weight) in owner and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
-            module.quant_method.process_weights_after_loading(module)
-        owner.setdefault(id(weight), name)
-
-
 # RPC arguments are serialised by vLLM's msgpack encoder, which turns a tensor nested in an
 # untyped argument into a list: tensors travel as (name, dtype, shape, raw bytes) instead.
 def _to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
@@ -457,9 +353,3 @@ def _to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, lis
         out.append((name, str(t.dtype).removeprefix("torch."), list(t.shape),
                     t.reshape(-1).view(torch.uint8).numpy().tobytes()))
     return out
-
-
-def _from_wire(wire: list[tuple[str, str, list[int], bytes]]):
-    for name, dtype, shape, data in wire:
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        yield name, raw.view(getattr(torch, dtype)).reshape(shape)

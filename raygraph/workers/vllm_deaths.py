@@ -40,10 +40,10 @@ def watch_engine(engine: Any) -> Path:
     when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
     path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
     engine.collective_rpc("raygraph_record_errors", args=(str(path),))
-    from vllm.v1.engine.core_client import InprocClient
+    from raygraph.workers.vllm_in_process import runs_here
 
     client = engine.llm_engine.engine_core
-    if isinstance(client, InprocClient):
+    if runs_here(engine):
         _dead_after_a_failed_step(client, path)
     else:   # an engine process of its own
         engine.collective_rpc("raygraph_exit_when_orphaned")

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["CHOICES", "engine_here", "in_process_problem", "resolve"]
+__all__ = ["CHOICES", "engine_here", "in_process_problem", "resolve", "runs_here"]
 
 CHOICES = ("auto", "in_process", "own_process")
 _ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -59,6 +59,13 @@ def in_process_problem(tensor_parallel_size: int) -> str | None:
         return (f"this process is rank {dist.get_rank()} of a torch.distributed group of {dist.get_world_size()} "
                 "(a colocated trained role), which vLLM would take as its own world")
     return None
+
+
+def runs_here(engine) -> bool:
+    """True when the `vllm.LLM` engine's core runs in this process."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(engine.llm_engine.engine_core, InprocClient)
 
 
 def resolve(choice: str, tensor_parallel_size: int) -> bool:

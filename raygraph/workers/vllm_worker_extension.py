@@ -1,0 +1,114 @@
+"""The engine side of `raygraph.workers.vllm_compat`: `WorkerExtension`, mixed into vLLM's worker
+class (`worker_extension_cls`), runs in each engine worker (the rollout worker's process when the
+engine core runs there, `raygraph.workers.vllm_in_process`) and is reached through
+`LLM.collective_rpc`: error recording, the orphan guard, logit scaling and weight loading."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from raygraph.workers.vllm_deaths import FirstError, exit_when_orphaned
+from raygraph.workers.vllm_staging import shared_tensors
+
+__all__ = ["WorkerExtension"]
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in each engine worker
+    process and is reached through `LLM.collective_rpc`. Method names are prefixed so they
+    cannot collide with the worker's own (vLLM asserts that)."""
+
+    def raygraph_record_errors(self, path: str) -> None:
+        """Write the first exception logged by vLLM in this process (`vllm_deaths.watch_engine`)."""
+        logging.getLogger("vllm").addHandler(FirstError(path))
+
+    def raygraph_exit_when_orphaned(self) -> None:
+        """Die with the process that started the engine (`vllm_deaths.exit_when_orphaned`)."""
+        exit_when_orphaned()
+
+    def raygraph_scale_logits(self, factor: float) -> None:
+        processor = getattr(self.model_runner.get_model(), "logits_processor", None)
+        if processor is None or not hasattr(processor, "scale"):
+            raise RuntimeError(f"{type(self.model_runner.get_model()).__name__} has no LogitsProcessor "
+                               f"with a `scale`: raygraph cannot apply the sampling temperature")
+        base = processor.__dict__.setdefault("_raygraph_base_scale", processor.scale)
+        processor.scale = base * factor
+
+    def raygraph_begin_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        _quiet_known_reload_warnings()
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def raygraph_load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights(weights=weights)
+
+    def raygraph_load_bucket(self, wire: list[tuple[str, str, list[int], bytes]]) -> None:
+        self.raygraph_load_weights(_from_wire(wire))
+
+    def raygraph_load_tensors(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """A bucket handed over in memory (the engine core in the caller's process)."""
+        self.raygraph_load_weights(iter(bucket))
+
+    def raygraph_load_shared(self, path: str, nbytes: int, layout: list) -> None:
+        self.raygraph_load_weights(shared_tensors(path, nbytes, layout))
+
+    def raygraph_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            _reprocess_tied_layers(model)
+        self.model_runner.reset_encoder_cache()
+
+
+class _KnownReloadWarnings(logging.Filter):
+    """Drops the reload's per-update "<Layer>: Failed to load weights" warning for layers that
+    hold no checkpoint tensors (rotary embeddings) or are tied and reprocessed here (lm_head)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+def _quiet_known_reload_warnings() -> None:
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("vllm.model_executor.model_loader"):
+            target = logging.getLogger(name)
+            if not any(isinstance(f, _KnownReloadWarnings) for f in target.filters):
+                target.addFilter(_KnownReloadWarnings())
+
+
+def _reprocess_tied_layers(model: torch.nn.Module) -> None:
+    """Re-run weight post-processing on layers whose weight is another layer's (a tied lm_head).
+
+    The layerwise reload processes the layer that loads a tied tensor (embed_tokens), not the
+    layers sharing it; the CPU backend packs the lm_head's GEMM weight at processing time, so
+    without this the logits would still come from the old embedding.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        if id(weight) in owner and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)
+        owner.setdefault(id(weight), name)
+
+
+def _from_wire(wire: list[tuple[str, str, list[int], bytes]]):
+    for name, dtype, shape, data in wire:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        yield name, raw.view(getattr(torch, dtype)).reshape(shape)
