@@ -36,6 +36,7 @@ __all__ = [
     "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "PROMPT_MESSAGES", "RESPONSE_TEXT", "EXTRA_INFO",
     "AGENT_TURNS", "AGENT_ENV_S", "AGENT_TOOL_OK", "AGENT_TOOL_ERROR", "AGENT_TOOL_TIMEOUT", "AGENT_TRUNCATION",
+    "AGENT_ELSEWHERE",
     "AGENT_CONVERSATION", "NEXT_PROMPTS", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
     "pad_right",
 ]
@@ -83,6 +84,7 @@ EXTRA_INFO = "extra_info"
 AGENT_TURNS = "agent_turns"                # (B,) int64, model turns taken
 AGENT_ENV_S = "agent_env_s"                # (B,) float32, seconds in environment steps and tools
 AGENT_TOOL_OK, AGENT_TOOL_ERROR, AGENT_TOOL_TIMEOUT = "agent_tool_ok", "agent_tool_error", "agent_tool_timeout"  # (B,)
+AGENT_ELSEWHERE = "agent_elsewhere"        # (B,) 1: run by another rollout rank than its share's (least_loaded)
 AGENT_TRUNCATION = "agent_truncation"      # str: why the episode ended (`raygraph.agents.episode.TRUNCATIONS`)
 AGENT_CONVERSATION = "agent_conversation"  # list of {role, text, tokens, reward}: the episode turn by turn
 
@@ -94,6 +96,11 @@ NEXT_PROMPTS = "next_prompts"  # async pipelining: {uids of a rank's share now: 
 # the driver puts the unused ones back in the data order.
 EXTRA_PROMPTS = "extra_prompts"             # prompts.meta: [Batch, ...] the extra prompt batches, in data order
 PROMPT_BATCHES_USED = "prompt_batches_used"  # batch.meta: int, prompt batches the rows came from
+# --- meta keys set by the coordinator -----------------------------------------------------------
+# A share of a scattered batch: {"round": id of that scatter, "rank": r, "world": parts}; the rollout
+# ranks of a least-loaded agent dispatch find each other's shares by it (`raygraph.agents.dispatch`).
+# Concatenation drops it (a gathered batch is no one's share).
+SHARD = "shard"
 
 
 def _as_object_array(values: Iterable[Any]) -> np.ndarray:
@@ -269,7 +276,7 @@ class Batch:
         batches = [b for b in batches if b is not None]
         if not batches:
             return Batch()
-        meta = dict(batches[0].meta)
+        meta = {k: v for k, v in batches[0].meta.items() if k != SHARD}
         batches = [b for b in batches if len(b)] or batches[:1]   # a rank without rows adds none
         if len(batches) == 1:
             return Batch(dict(batches[0].tensors), dict(batches[0].non_tensors), meta)

@@ -56,6 +56,7 @@ class Episode:
     done: bool = False
     tool_status: Counter = field(default_factory=Counter)   # ok / error / timeout
     env_s: float = 0.0
+    elsewhere: bool = False                # run by another rollout rank than its owner (least-loaded dispatch)
     messages: list[dict] = field(default_factory=list)       # role, text, tokens, reward (for dumps)
 
     def turn_seed(self) -> int | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
@@ -66,6 +66,10 @@ class TurnEngine(Protocol):
 
     def abort(self) -> None:
         """Drop every pending turn (a failed run leaves nothing in the engine)."""
+
+
+# `more(episodes so far) -> (prompts, rows, seeds) | None`: episodes to start as well (`AgentLoop.run`)
+MoreEpisodes = Callable[[list[Episode]], "tuple[Sequence[list[int]], Sequence[dict], Sequence[int | None]] | None"]
 
 
 class AgentLoop:
@@ -123,24 +127,40 @@ class AgentLoop:
 
     # ------------------------------------------------------------------------------ running
     def run(self, engine: TurnEngine, prompts: Sequence[list[int]], rows: Sequence[dict],
-            seeds: Sequence[int | None]) -> list[Episode]:
-        """Run one episode per prompt to its end; `rows[i]` is given to episode i's environment."""
-        episodes = [Episode(i, list(p), s, uid=row.get("uid"))
-                    for i, (p, s, row) in enumerate(zip(prompts, seeds, rows, strict=True))]
+            seeds: Sequence[int | None], more: MoreEpisodes | None = None) -> list[Episode]:
+        """Run one episode per prompt to its end; `rows[i]` is given to episode i's environment.
+
+        `more(episodes)`, when given, is asked between engine polls for episodes to start as well
+        (`(prompts, rows, seeds)`, or None/empty for none now); the run ends when every episode
+        started is done and `more` has none. The episodes come back in the order they started.
+        """
+        episodes: list[Episode] = []
+        env_rows: list[dict] = []
         envs = EpisodeEnvs(self.reactor.envs)
         waiting: dict[Future, Episode] = {}
         started: dict[int, float] = {}   # episode index -> when its reaction began running
         finished = False
-        try:
-            for ep in episodes:
+
+        def start(new_prompts, new_rows, new_seeds) -> None:
+            for p, s, row in zip(new_prompts, new_seeds, new_rows, strict=True):
+                ep = Episode(len(episodes), list(p), s, uid=row.get("uid"))
+                episodes.append(ep)
+                env_rows.append(row)
                 self._ask(engine, ep)
-            while not all(ep.done for ep in episodes):
+
+        try:
+            start(prompts, rows, seeds)
+            while True:
+                if more is not None and (extra := more(episodes)):
+                    start(*extra)
+                if all(ep.done for ep in episodes):
+                    break
                 if engine.pending() and not (engine.lock_step and waiting):
                     for key, tokens, logprobs in self._finished_turns(engine):
                         ep = episodes[key]
                         text, raw = self._texts(tokens)
                         ep.add_model_turn(tokens, logprobs, text)
-                        waiting[self.pool.submit(self._react, ep, envs, rows[key], text, raw, started)] = ep
+                        waiting[self.pool.submit(self._react, ep, envs, env_rows[key], text, raw, started)] = ep
                 elif waiting:
                     wait(list(waiting), timeout=self._time_left(waiting, started),
                          return_when="ALL_COMPLETED" if engine.lock_step else FIRST_COMPLETED)

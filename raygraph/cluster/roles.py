@@ -124,6 +124,7 @@ class Roles:
         self.coordinator = None
         self.weights: WeightSync | None = None
         self.launches: dict[str, tuple] = {}   # actor name -> (actor class, options, args, fused roles)
+        self.services: list = []   # other actors of the run (e.g. the agent dispatch board), killed with it
         self._closed = False
 
     def __getattr__(self, name: str) -> RoleGroup:
@@ -190,7 +191,7 @@ class Roles:
         if self._closed:
             return
         self._closed = True
-        for actor in [*self.hosts, self.coordinator]:
+        for actor in [*self.hosts, self.coordinator, *self.services]:
             if actor is not None:
                 try:
                     ray.kill(actor, no_restart=True)

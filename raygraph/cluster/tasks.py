@@ -13,11 +13,12 @@ coordinator actor, never on the driver.
 from __future__ import annotations
 
 import numbers
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raygraph.batch import Batch
+from raygraph.batch import SHARD, Batch
 from raygraph.cluster.weights import combine_stats
 
 __all__ = ["Arg", "Task", "resolve", "scatter", "merge_shards", "gather", "run_whole", "combine_sync", "with_status",
@@ -114,9 +115,15 @@ def combine_sync(values: Sequence[Any]) -> dict:
 
 
 def scatter(value: Any, parts: int) -> list[Any]:
-    """Split a Batch over `parts` ranks, keeping prompt groups together; replicate anything else."""
+    """Split a Batch over `parts` ranks, keeping prompt groups together; replicate anything else.
+
+    Each share of a Batch says which share of which scatter it is (meta `SHARD`)."""
     if isinstance(value, Batch):
-        return value.chunk_by_group(parts)
+        round_id = uuid.uuid4().hex
+        shares = value.chunk_by_group(parts)
+        for rank, share in enumerate(shares):
+            share.meta[SHARD] = {"round": round_id, "rank": rank, "world": parts}
+        return shares
     return [value] * parts
 
 

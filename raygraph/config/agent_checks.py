@@ -30,6 +30,9 @@ def agent_problems(cfg) -> list[str]:
                         "rollout rank)")
     if agent.env is None and cfg.reward.kind == "env":
         problems.append("reward.kind=env needs an environment: set rollout.agent.env (tools alone give no reward)")
+    if agent.dispatch == "least_loaded" and cfg.resolved_rollout_engine != "vllm":
+        problems.append("rollout.agent.dispatch=least_loaded needs rollout.engine=vllm: the HF sampler draws from one "
+                        "generator per rank, so an episode's tokens would depend on which rank ran it")
     total = agent.total_tokens(cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
     if total <= cfg.data.max_prompt_length:
         problems.append(f"rollout.agent.max_total_tokens={total} leaves no room after data.max_prompt_length="

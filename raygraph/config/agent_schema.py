@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -48,6 +48,12 @@ class AgentConfig(Section):
                            "restarts, a crashing environment takes down its host only (the step is recovered). "
                            "0 = in the rollout rank's threads.")
     env_host_cpus: float = Field(1.0, gt=0, description="CPUs of each env host (its bundle).")
+    dispatch: Literal["even", "least_loaded"] = Field(
+        "even", description="How a step's episodes go over the rollout ranks: even (each rank runs its equal share "
+        "of the prompt groups) or least_loaded (ranks take groups as they have room, so a rank slowed by long "
+        "episodes takes fewer; the batch is the same, bit for bit; vLLM engine only; raygraph.agents.dispatch).")
+    groups_in_flight: int = Field(2, ge=1, description="With dispatch=least_loaded: prompt groups one rollout rank "
+                                  "runs at once (fewer: finer balance, smaller engine batches).")
 
     _refs = field_validator("env", "tool_parser")(lambda value: _absolute(value))
 

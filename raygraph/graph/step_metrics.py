@@ -14,6 +14,7 @@ from raygraph.agents.episode import TRUNCATIONS
 from raygraph.batch import (
     ADVANTAGES,
     AGENT_CONVERSATION,
+    AGENT_ELSEWHERE,
     AGENT_ENV_S,
     AGENT_TOOL_ERROR,
     AGENT_TOOL_OK,
@@ -95,12 +96,15 @@ def _clip_ratio(batch: Batch, lengths, width: int) -> float:
 def agent_metrics(batch: Batch) -> dict[str, float]:
     """Multi-turn episodes (`raygraph.agents`): turns per episode, tool calls by outcome (per
     episode), seconds in environment steps and tools, and the share of episodes ended by each
-    truncation reason (`agent/truncated/<reason>`, "none" = the episode finished)."""
+    truncation reason (`agent/truncated/<reason>`, "none" = the episode finished); with least-loaded
+    dispatch, the share of episodes another rollout rank ran (`agent/ran_elsewhere`)."""
     turns = batch[AGENT_TURNS].float()
     out = {"agent/turns_mean": float(turns.mean()), "agent/turns_max": float(turns.max()),
            "agent/env_s_mean": float(batch[AGENT_ENV_S].float().mean())}
     for key, name in ((AGENT_TOOL_OK, "ok"), (AGENT_TOOL_ERROR, "error"), (AGENT_TOOL_TIMEOUT, "timeout")):
         out[f"agent/tool_calls_{name}"] = float(batch[key].float().mean())
+    if AGENT_ELSEWHERE in batch:
+        out["agent/ran_elsewhere"] = float(batch[AGENT_ELSEWHERE].float().mean())
     reasons = list(batch[AGENT_TRUNCATION])
     for reason in TRUNCATIONS:
         out[f"agent/truncated/{reason}"] = reasons.count(reason) / len(reasons)

@@ -135,7 +135,8 @@ def _agent_args(cfg) -> dict:
             "tool_parser": a.tool_parser, "tool_timeout_s": a.tool_timeout_s, "env_timeout_s": a.env_timeout_s,
             "env_workers": a.env_workers, "tool_role": a.tool_role, "env_hosts": a.env_hosts,
             "env_host_cpus": a.env_host_cpus, "plugins": tuple(cfg.plugins),
-            "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
+            "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
+            "groups_in_flight": a.groups_in_flight if a.dispatch == "least_loaded" else None}
 
 
 def _reward_args(cfg) -> dict:

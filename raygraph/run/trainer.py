@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from raygraph.agents.dispatch import start_board
 from raygraph.algos.kl_control import make_kl_controller
 from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import build_roles
@@ -112,6 +113,12 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
                         bucket_bytes=cfg.placement.weight_bucket_mb << 20,
                         weight_sync_verify=cfg.placement.weight_sync_verify, plugins=cfg.plugins)
+    if cfg.rollout.agent is not None and cfg.rollout.agent.dispatch == "least_loaded":
+        try:
+            roles.services.append(start_board(ctx.ray_name))
+        except BaseException:
+            roles.shutdown()
+            raise
     kl_cfg = cfg.algorithm.kl_in_reward
     loop = _Loop(cfg, ctx, roles, data, recoveries, SampleLedger(ctx.run_dir),
                  make_kl_controller(kl_cfg.controller, kl_cfg.coef, kl_cfg.target_kl, kl_cfg.horizon))

@@ -24,6 +24,7 @@ from raygraph.agents.episode import Episode
 from raygraph.agents.loop import AgentLoop
 from raygraph.batch import (
     AGENT_CONVERSATION,
+    AGENT_ELSEWHERE,
     AGENT_ENV_S,
     AGENT_TOOL_ERROR,
     AGENT_TOOL_OK,
@@ -44,6 +45,7 @@ from raygraph.batch import (
 )
 from raygraph.data.prompts import left_pad
 from raygraph.workers import vllm_compat
+from raygraph.workers.agent_dispatch import dispatch_tag, shared_episodes
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 
 __all__ = ["no_episodes", "HFTurns", "VLLMTurns", "agent_loop", "episode_rows", "generate_episodes", "run_episodes"]
@@ -127,7 +129,9 @@ def _env_row(rows: Batch, i: int) -> dict:
 
 def agent_loop(args: dict, tokenizer, stop_token_ids: Sequence[int], max_model_len: int | None) -> AgentLoop:
     """The engine's `AgentLoop` from the `rollout.agent` arguments; its context budget must fit
-    the engine's (`max_model_len`, None: no limit known)."""
+    the engine's (`max_model_len`, None: no limit known). `groups_in_flight` (least-loaded
+    dispatch, `raygraph.workers.agent_dispatch`) is the rank's, not the loop's: it is left out."""
+    args = {k: v for k, v in args.items() if k != "groups_in_flight"}
     total = args["budgets"]["max_total_tokens"]
     if max_model_len is not None and total > max_model_len:
         raise ValueError(f"rollout.agent.max_total_tokens={total} exceeds the engine's max_model_len {max_model_len}: "
@@ -135,18 +139,28 @@ def agent_loop(args: dict, tokenizer, stop_token_ids: Sequence[int], max_model_l
     return AgentLoop(tokenizer=tokenizer, stop_token_ids=stop_token_ids, **args)
 
 
-def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None], weight_version: int) -> Batch:
-    """One episode per row of `rows` (prompts already repeated n times), as rollout rows."""
+def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None], weight_version: int,
+                      groups_in_flight: int | None = None) -> Batch:
+    """One episode per row of `rows` (prompts already repeated n times), as rollout rows.
+
+    With `groups_in_flight`, a share of a scattered step (`dispatch_tag`) is run with the other
+    rollout ranks taking prompt groups by load (`raygraph.workers.agent_dispatch`); the rows are
+    the same."""
     with torch.no_grad():
-        episodes = run_episodes(loop, turns, rows, seeds)
-    return episode_rows(rows, episodes, loop.tokenizer, weight_version)
+        episodes = run_episodes(loop, turns, rows, seeds, groups_in_flight)
+    return episode_rows(rows, episodes, loop.tokenizer, weight_version) if episodes else \
+        no_episodes(rows, weight_version)
 
 
-def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None]) -> list[Episode]:
+def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None],
+                 groups_in_flight: int | None = None) -> list[Episode]:
     """One episode per row of `rows` (prompts already repeated n times)."""
     ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
     prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]
-    return loop.run(turns, prompts, [_env_row(rows, i) for i in range(len(rows))], seeds)
+    env_rows = [_env_row(rows, i) for i in range(len(rows))]
+    if groups_in_flight is not None and (tag := dispatch_tag(rows)) is not None:
+        return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, tag, groups_in_flight)
+    return loop.run(turns, prompts, env_rows, seeds)
 
 
 def no_episodes(rows: Batch, weight_version: int) -> Batch:
@@ -156,7 +170,7 @@ def no_episodes(rows: Batch, weight_version: int) -> Batch:
     return no_rollouts(rows, weight_version).with_columns(**{
         RESPONSE_ATTENTION: empty.clone(), ENV_SCORES: torch.zeros((0, 0)),
         **{name: torch.zeros(0, dtype=torch.int64) for name in (AGENT_TURNS, AGENT_TOOL_OK, AGENT_TOOL_ERROR,
-                                                                 AGENT_TOOL_TIMEOUT)},
+                                                                 AGENT_TOOL_TIMEOUT, AGENT_ELSEWHERE)},
         AGENT_ENV_S: torch.zeros(0), AGENT_TRUNCATION: np.empty(0, dtype=object),
         AGENT_CONVERSATION: np.empty(0, dtype=object)})
 
@@ -187,5 +201,6 @@ def episode_rows(rows: Batch, episodes: Sequence[Episode], tokenizer, weight_ver
         AGENT_TOOL_ERROR: torch.tensor([ep.tool_status["error"] for ep in episodes], dtype=torch.int64),
         AGENT_TOOL_TIMEOUT: torch.tensor([ep.tool_status["timeout"] for ep in episodes], dtype=torch.int64),
         AGENT_TRUNCATION: np.array([ep.truncation for ep in episodes], dtype=object),
+        AGENT_ELSEWHERE: torch.tensor([int(ep.elsewhere) for ep in episodes], dtype=torch.int64),
         AGENT_CONVERSATION: conversations,
     })

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raygraph.batch import NEXT_PROMPTS, STALENESS, UID, WEIGHT_VERSION, Batch
+from raygraph.batch import NEXT_PROMPTS, SHARD, STALENESS, UID, WEIGHT_VERSION, Batch
 
 __all__ = ["KEPT_COLUMNS", "KEPT_TENSORS", "STATE_FILE", "PrefetchedRollouts"]
 
@@ -77,6 +77,10 @@ class PrefetchedRollouts:
             `{"rollout/prefetched": rows sampled}` (0 when no next share is attached).
         """
         upcoming = (batch.meta.get(NEXT_PROMPTS) or {}).get(tuple(batch[UID]))
+        if upcoming is not None and SHARD in batch.meta:   # the next shares form a dispatch round of their own
+            tag = batch.meta[SHARD]
+            upcoming = Batch(upcoming.tensors, upcoming.non_tensors,
+                             {**upcoming.meta, SHARD: {**tag, "round": f"{tag['round']}/next"}})
         return {"rollout/prefetched": float(self.prefetch(upcoming, generate) if upcoming is not None else 0)}
 
     def take_or_generate(self, batch: Batch, generate: Generate, weight_version: int) -> Batch:

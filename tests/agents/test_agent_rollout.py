@@ -112,13 +112,43 @@ def test_the_multiturn_demo_learns_to_use_the_feedback(tmp_path, monkeypatch, ca
     assert retried and retried[0]["conversation"][1]["role"] == "user"
 
 
+SLOW_RANK_ENV = f"{Path(__file__).parent / 'slow_rank_env.py'}:SlowOnRankOne"
+TIMING = ("timing/", "perf/", "agent/env_s_mean", "agent/ran_elsewhere", "weights/", "recovery/")
+
+
 @pytest.mark.slow
-def test_vllm_runs_the_episodes_on_two_rollout_ranks(tmp_path, monkeypatch, capsys, ray_local):
+def test_vllm_runs_the_episodes_on_two_rollout_ranks_least_loaded_equal_to_even(tmp_path, monkeypatch, capsys,
+                                                                                ray_local):
+    """Two rollout ranks, rank 1's environment slow: with least_loaded dispatch rank 0 runs some of
+    rank 1's episodes; in step 2 rank 0 dies in an episode it took from rank 1 (rank 1 runs that
+    group itself instead of waiting, stage-level recovery restarts rank 0 and reruns the step).
+    Every metric but the timings equals that of the even split's run, never interrupted."""
     pytest.importorskip("vllm")
-    run = _train(tmp_path, monkeypatch, capsys, "trainer.total_steps=2", "trainer.val_every=0",
-                 "trainer.save_every=0", "trainer.warm_start=null", "rollout.engine=vllm",
-                 "placement.mode=disaggregated", "placement.train_workers=1", "placement.rollout_workers=2")
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2]
-    assert all(1.0 <= m["agent/turns_mean"] <= 2.0 for m in lines)
-    assert all(m["rollout/samples"] == 256 for m in lines)
+    runs, marker = {}, tmp_path / "killed"
+    for dispatch in ("even", "least_loaded"):
+        out = tmp_path / dispatch
+        out.mkdir()
+        ledger = out / "out" / "demo_multiturn" / "mt" / "ledger.jsonl"
+        kill = f"{{ledger: {ledger}, marker: {marker}, kill_after: 128}}" if dispatch == "least_loaded" else "{}"
+        runs[dispatch] = _train(out, monkeypatch, capsys, "trainer.total_steps=2", "trainer.val_every=0",
+                                "trainer.save_every=0", "rollout.engine=vllm", f"rollout.agent.env={SLOW_RANK_ENV}",
+                                f"rollout.agent.env_args={kill}", f"rollout.agent.dispatch={dispatch}",
+                                "rollout.agent.groups_in_flight=1", "trainer.max_restarts=1",
+                                "placement.mode=disaggregated", "placement.train_workers=1",
+                                "placement.rollout_workers=2")
+    lines = {d: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+             for d, run in runs.items()}
+    assert [m["step"] for m in lines["even"]] == [1, 2]
+    assert all(1.0 <= m["agent/turns_mean"] <= 2.0 for m in lines["even"])
+    assert all(m["rollout/samples"] == 256 for m in lines["even"])
+    assert [m["agent/ran_elsewhere"] for m in lines["even"]] == [0.0, 0.0]
+    assert all(m["actor/grad_norm"] > 0 for m in lines["even"])   # warm-started: rewards differ, it learns
+    assert all(m["agent/ran_elsewhere"] > 0 for m in lines["least_loaded"])   # rank 0 took rank 1's groups
+    assert marker.is_file()
+    records = [json.loads(x) for x in (runs["least_loaded"] / "recoveries.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["failed_step"]) for r in records if "failed_step" in r] == [("stage", 2)]
+
+    def same(m):
+        return {k: v for k, v in m.items() if not k.startswith(TIMING)}
+
+    assert [same(m) for m in lines["least_loaded"]] == [same(m) for m in lines["even"]]

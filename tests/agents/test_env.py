@@ -79,6 +79,9 @@ DEMO = "configs/demo_multiturn.yaml"
     (["rollout.agent.max_total_tokens=40", "rollout.engine=vllm", "rollout.max_model_len=32"],
      "exceeds rollout.max_model_len=32"),
     (["rollout.agent.tools=[nope_tool]"], "unknown"),
+    (["rollout.agent.dispatch=least_loaded", "rollout.engine=hf"],
+     "rollout.agent.dispatch=least_loaded needs rollout.engine=vllm"),
+    (["rollout.agent.dispatch=most_loaded"], "least_loaded"),
 ])
 def test_the_config_checks_the_agent(overrides, problem):
     with pytest.raises(ConfigError) as caught:

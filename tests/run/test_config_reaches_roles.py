@@ -25,13 +25,14 @@ TOY = str(ROOT / "configs/grpo_toy.yaml")
 MULTITURN = str(ROOT / "configs/demo_multiturn.yaml")
 PPO = ("policy", "rollout", "reward", "critic")
 # Base configs: a PPO run with a reference (hf rollout, rule reward), the same with vLLM, with
-# remote and model rewards, and the multi-turn demo (an agent rollout).
+# remote and model rewards, and the multi-turn demo (an agent rollout, on either engine).
 BASES = {
     "hf": (TOY, ["actor.kl_loss_coef=0.1", "workflow=ppo", "algorithm.advantage=gae"]),
     "vllm": (TOY, ["rollout.engine=vllm"]),
     "remote": (TOY, ["reward.kind=remote", "reward.remote.url=http://127.0.0.1:9/score"]),
     "model": (TOY, ["reward.kind=model", "reward.model_path=runs/models/rm"]),
     "agent": (MULTITURN, []),
+    "agent_vllm": (MULTITURN, ["rollout.engine=vllm"]),
     "disagg": (TOY, ["placement.mode=disaggregated", "placement.train_workers=2", "placement.rollout_workers=1",
                      "data.prompts_per_step=4", "actor.kl_loss_coef=0.1", "workflow=ppo", "algorithm.advantage=gae"]),
 }
@@ -120,6 +121,10 @@ ROWS = [
     ("agent", ["rollout.agent.max_message_tokens=9"], {("rollout", "agent.budgets.max_message_tokens"): 9,
                                                        ("rollout", "agent.budgets.max_total_tokens"): 32 + 6 + 25}),
     ("agent", ["rollout.agent.env=reveal_then_answer"], {("rollout", "agent.env"): "reveal_then_answer"}),
+    ("agent_vllm", ["rollout.agent.dispatch=least_loaded"], {("rollout", "agent.groups_in_flight"): 2}),
+    ("agent_vllm", ["rollout.agent.dispatch=least_loaded", "rollout.agent.groups_in_flight=3"],
+     {("rollout", "agent.groups_in_flight"): 3}),
+    ("agent", ["rollout.agent.groups_in_flight=3"], {}),   # the even split has no use for it
     ("agent", ["rollout.agent.env_args={retry_reward: 0.25}"], {("rollout", "agent.env_args.retry_reward"): 0.25}),
     ("agent", ["rollout.agent.tools=[calculator]"], {("rollout", "agent.tools"): ["calculator"]}),
     ("agent", ["rollout.agent.tool_parser=json"], {("rollout", "agent.tool_parser"): "json"}),

@@ -18,6 +18,7 @@ from raygraph.batch import (
     PROMPT_MASK,
     RESPONSE_TEXT,
     RESPONSES,
+    SHARD,
     STALENESS,
     UID,
     WEIGHT_VERSION,
@@ -88,6 +89,16 @@ def test_prefetch_next_samples_this_ranks_next_share_and_meta_stops_there():
     now = _prompts("c", "d")
     now.meta.update(step=7, **{NEXT_PROMPTS: {("c", "d"): _prompts("e")}})
     assert buffer.take_or_generate(now, sample, 0).meta == {"step": 7}
+
+
+def test_the_next_share_of_a_dispatched_share_is_a_dispatch_round_of_its_own():
+    """Least-loaded agent dispatch (`raygraph.agents.dispatch`): the ranks' next shares, sampled
+    ahead, find each other by a round derived from this step's (same rank, same world)."""
+    seen = []
+    share = _prompts("a", "b")
+    share.meta.update({SHARD: {"round": "r7", "rank": 1, "world": 2}, NEXT_PROMPTS: {("a", "b"): _prompts("c")}})
+    PrefetchedRollouts().prefetch_next(share, lambda batch: seen.append(batch.meta[SHARD]) or FakeSampler()(batch))
+    assert seen == [{"round": "r7/next", "rank": 1, "world": 2}]
 
 
 def test_checkpoint_round_trip_keeps_rollouts_order_generator_and_version(tmp_path):
