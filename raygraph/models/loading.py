@@ -28,7 +28,7 @@ if TYPE_CHECKING:   # the model classes are imported where a model is loaded: im
 
 __all__ = [
     "ATTN_IMPL_ENV", "ATTN_IMPLS", "enable_gradient_checkpointing", "load_causal_lm", "load_reward_model", "load_tokenizer",
-    "resolve_attn_impl", "resolve_dtype",
+    "resolve_attn_impl", "resolve_dtype", "NO_HUB_KERNELS",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,12 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16,
 }
 _logged_attn_choices: set[tuple[str, str]] = set()
+# transformers >= 5.2x kernelizes a loaded model with kernels fetched from the Hub by default, on
+# CUDA, when the model switches to train mode: offline or untrusted that raises (seen on an H200:
+# "Kernel repository 'kernels-community/rotary' could not verify publisher trust status" from
+# `model.train()`), and online it would swap the layers raygraph's numerics are checked against.
+# Every model raygraph loads keeps transformers' own layers.
+NO_HUB_KERNELS = {"use_kernels": False}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -131,7 +137,7 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=resolve_dtype(dtype), attn_implementation=resolve_attn_impl(attn_impl))
+        str(path), dtype=resolve_dtype(dtype), attn_implementation=resolve_attn_impl(attn_impl), **NO_HUB_KERNELS)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.eval()
@@ -153,7 +159,7 @@ def load_reward_model(
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), dtype=resolve_dtype(dtype), attn_implementation=resolve_attn_impl(attn_impl))
+        str(path), dtype=resolve_dtype(dtype), attn_implementation=resolve_attn_impl(attn_impl), **NO_HUB_KERNELS)
     if model.config.num_labels != 1:
         raise ValueError(f"reward model at {path} has num_labels={model.config.num_labels}; expected 1")
     tok = tokenizer if tokenizer is not None else load_tokenizer(path)

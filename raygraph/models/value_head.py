@@ -16,7 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from raygraph.models.loading import enable_gradient_checkpointing, resolve_attn_impl, resolve_dtype
+from raygraph.models.loading import (
+    NO_HUB_KERNELS,
+    enable_gradient_checkpointing,
+    resolve_attn_impl,
+    resolve_dtype,
+)
 
 if TYPE_CHECKING:   # imported where a model is loaded (see raygraph.models.loading)
     from transformers import PreTrainedModel
@@ -57,7 +62,7 @@ class ValueModel(nn.Module):
         from transformers import AutoModel
 
         body = AutoModel.from_pretrained(str(path), dtype=torch_dtype,
-                                         attn_implementation=resolve_attn_impl(attn_impl))
+                                         attn_implementation=resolve_attn_impl(attn_impl), **NO_HUB_KERNELS)
         if gradient_checkpointing:
             enable_gradient_checkpointing(body)
         hidden = body.config.get_text_config().hidden_size

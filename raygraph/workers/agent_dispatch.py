@@ -12,8 +12,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import ray
-
 from raygraph.agents.dispatch import board_name
 from raygraph.agents.episode import Episode
 from raygraph.agents.loop import AgentLoop
@@ -99,6 +97,8 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
     ranks of the round taking groups by load (module docstring).
 
     `board`, `me`: the run's board and this rank's actor handle (None: found through Ray)."""
+    import ray  # only here: the HF sampler's process may have no Ray (a plain worker, benchmarks)
+
     if board is None:
         board = ray.get_actor(board_name(_run_name()))
         me = ray.get_runtime_context().current_actor
@@ -116,8 +116,12 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
 
 def _run_name() -> str:
     """The run's actor-name prefix: this actor is `<run>/<roles>/<rank>`."""
+    import ray
+
     return ray.get_runtime_context().get_actor_name().rsplit("/", 2)[0]
 
 
 def _get(ref) -> Any:
+    import ray
+
     return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref   # a board in this process answers at once

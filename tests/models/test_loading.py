@@ -69,3 +69,16 @@ def test_reward_model_pad_id_is_aligned_with_its_tokenizer(tiny_rm_path, tmp_pat
     rm = load_reward_model(tmp_path)
     assert rm.config.pad_token_id == load_tokenizer(tmp_path).pad_token_id != 5
     assert not any(p.requires_grad for p in rm.parameters())
+
+
+def test_no_model_is_kernelized_with_hub_kernels(tiny_model_path, tiny_rm_path):
+    """transformers kernelizes a loaded model with kernels from the Hub by default (on CUDA, when
+    the model switches to train mode; offline that raised in `PolicyWorker.update` on an H200):
+    every model raygraph loads opts out, and a switch to train mode keeps it out."""
+    from raygraph.models.value_head import ValueModel
+
+    policy, reward = load_causal_lm(tiny_model_path), load_reward_model(tiny_rm_path)
+    critic_body = ValueModel.from_pretrained(tiny_model_path).body
+    for model in (policy, reward, critic_body):
+        model.train()
+        assert model.use_kernels is False and model.kernels_mode is None
