@@ -11,7 +11,9 @@ HF engine and the policy compute the same model in the same dtype), `PolicyWorke
 optimizer step over all rows, micro-batches of 32), `weight_buckets` + `HFRolloutWorker.load_weights`
 (GB/s of the full-weight handover), and the device's peak memory. Each stage is timed after a
 warm-up call, with `torch.cuda.synchronize()`. A failed stage is recorded with its error and the
-others still run. Prints one JSON line and writes it to `--out`.
+others still run. Then, on the first size, the other workers' CUDA paths (`other_roles`): the
+reference's log-probs against the policy's, a LoRA policy's update and its adapter-only buckets, the
+critic's values and update. Prints one JSON line and writes it to `--out`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,42 @@ def one_size(size: str, args, root: Path) -> dict:
     return out
 
 
+def other_roles(size: str, args, root: Path) -> dict:
+    """The other workers' CUDA paths on one small model: the reference's log-probs (equal to the
+    policy's at the same weights), a LoRA policy's update and adapter buckets, the critic's values
+    and update."""
+    from raygraph.batch import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, RESPONSE_MASK, RETURNS, VALUES
+    from raygraph.models.lora import LoraSpec
+    from raygraph.models.tiny import build_tiny_lm
+    from raygraph.workers.critic import CriticWorker
+    from raygraph.workers.policy import PolicyWorker
+    from raygraph.workers.reference import ReferenceWorker
+    from raygraph.workers.rollout_hf import HFRolloutWorker
+
+    out: dict = {"size": size}
+    path = str(build_tiny_lm(root / f"{size}-roles", size=size))
+    rollout = HFRolloutWorker(model_path=path, dtype=args.dtype, n=4, max_new_tokens=32, device=args.device)
+    rows = rollout.generate(_prompts(rollout.tokenizer, 8))
+    mask = rows[RESPONSE_MASK].bool()
+    policy = PolicyWorker(model_path=path, dtype=args.dtype, lr=1e-5, micro_batch_size=16, device=args.device)
+    reference = ReferenceWorker(model_path=path, dtype=args.dtype, micro_batch_size=16, device=args.device)
+    gap = (policy.logprobs(rows)[OLD_LOGPROBS] - reference.logprobs(rows)[REF_LOGPROBS]).abs()[mask]
+    out["reference_vs_policy_max"] = float(gap.max())
+    advantages = torch.randn(len(rows), 1).expand_as(rows[RESPONSE_MASK]).contiguous() * rows[RESPONSE_MASK]
+    lora = PolicyWorker(model_path=path, dtype=args.dtype, lr=1e-3, micro_batch_size=16, device=args.device,
+                        lora=LoraSpec(rank=8))
+    stats, seconds = _timed(lambda: lora.update(rows.with_columns(**{ADVANTAGES: advantages})))
+    tensors = [t for bucket in lora.weight_buckets() for _, t in bucket]
+    out["lora"] = {"update_s": round(seconds, 3), "grad_norm": round(float(stats["actor/grad_norm"]), 4),
+                   "sync_tensors": len(tensors), "sync_mb": round(sum(t.numel() * t.element_size() for t in tensors) / 1e6, 3)}
+    critic = CriticWorker(model_path=path, dtype=args.dtype, lr=1e-4, micro_batch_size=16, device=args.device)
+    values = critic.values(rows)[VALUES]
+    stats, seconds = _timed(lambda: critic.update(rows.with_columns(**{VALUES: values, RETURNS: advantages})))
+    out["critic"] = {"update_s": round(seconds, 3), "vf_loss": round(float(stats["critic/vf_loss"]), 4),
+                     "values_finite": bool(torch.isfinite(values[mask]).all())}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["25m", "100m"])
@@ -114,6 +152,10 @@ def main() -> None:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+        try:
+            result["other_roles"] = other_roles(args.sizes[0], args, Path(tmp))
+        except Exception as exc:  # noqa: BLE001 - reported
+            result["other_roles"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
     line = json.dumps(result)
     Path(args.out).write_text(line + "\n")
     print(line)
