@@ -53,7 +53,8 @@ class AgentConfig(Section):
         "of the prompt groups) or least_loaded (ranks take groups as they have room, so a rank slowed by long "
         "episodes takes fewer; the batch is the same, bit for bit; vLLM engine only; raygraph.agents.dispatch).")
     groups_in_flight: int = Field(2, ge=1, description="With dispatch=least_loaded: prompt groups one rollout rank "
-                                  "runs at once (fewer: finer balance, smaller engine batches).")
+                                  "runs at once, counted as groups_in_flight x rollout.n episodes (a single-sample "
+                                  "validation runs as many episodes); fewer: finer balance, smaller engine batches.")
 
     _refs = field_validator("env", "tool_parser")(lambda value: _absolute(value))
 

@@ -2,7 +2,8 @@
 
 `shared_episodes` runs this rank's episodes of a step with the other ranks' help: it puts the
 share's prompt groups on the run's board, runs groups off the board (its own first) with at most
-`groups_in_flight` at once, hands the episodes it ran for other ranks back through the board, and
+`window` episodes at once (`rollout.agent.groups_in_flight` x `rollout.n`: as many groups of a
+training step; a single-sample validation runs as many episodes), hands the episodes it ran for other ranks back through the board, and
 returns the episodes of its own share in order, whoever ran them.
 """
 
@@ -41,7 +42,7 @@ class _Share:
     """This rank's part of one round: the groups it runs, those it owns, what came back."""
 
     def __init__(self, board, tag: dict, payloads: list[tuple], window: int) -> None:
-        self.board, self.round, self.rank, self.window = board, tag["round"], tag["rank"], window
+        self.board, self.round, self.rank, self.window = board, tag["round"], tag["rank"], window   # episodes
         self.payloads = payloads
         self.running: dict[tuple[int, int], range] = {}   # (owner, group) -> its episodes' positions
         self.mine: dict[int, list[Episode]] = {}          # own group -> its episodes
@@ -50,7 +51,7 @@ class _Share:
     def more(self, episodes: list[Episode]):
         """`AgentLoop.run`'s `more`: hand back finished groups, then claim one if there is room."""
         self.hand_back(episodes)
-        if self.exhausted or len(self.running) >= self.window:
+        if self.exhausted or sum(map(len, self.running.values())) >= self.window:
             return None
         claim = _get(self.board.claim.remote(self.round, self.rank))
         if claim is None:
@@ -94,7 +95,8 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
                     seeds: Sequence[int | None], rows: Batch, tag: dict, window: int,
                     board: Any = None, me: Any = None) -> list[Episode]:
     """The episodes of this rank's share (`rows`, tagged `tag` by the scatter), run with the other
-    ranks of the round taking groups by load (module docstring).
+    ranks of the round taking groups by load (module docstring); a group is taken while this rank
+    runs fewer than `window` episodes.
 
     `board`, `me`: the run's board and this rank's actor handle (None: found through Ray)."""
     import ray  # only here: the HF sampler's process may have no Ray (a plain worker, benchmarks)

@@ -140,26 +140,26 @@ def agent_loop(args: dict, tokenizer, stop_token_ids: Sequence[int], max_model_l
 
 
 def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None], weight_version: int,
-                      groups_in_flight: int | None = None) -> Batch:
+                      window: int | None = None) -> Batch:
     """One episode per row of `rows` (prompts already repeated n times), as rollout rows.
 
-    With `groups_in_flight`, a share of a scattered step (`dispatch_tag`) is run with the other
+    With `window` (episodes a rank runs at once), a share of a scattered step (`dispatch_tag`) is run with the other
     rollout ranks taking prompt groups by load (`raygraph.workers.agent_dispatch`); the rows are
     the same."""
     with torch.no_grad():
-        episodes = run_episodes(loop, turns, rows, seeds, groups_in_flight)
+        episodes = run_episodes(loop, turns, rows, seeds, window)
     return episode_rows(rows, episodes, loop.tokenizer, weight_version) if episodes else \
         no_episodes(rows, weight_version)
 
 
 def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None],
-                 groups_in_flight: int | None = None) -> list[Episode]:
+                 window: int | None = None) -> list[Episode]:
     """One episode per row of `rows` (prompts already repeated n times)."""
     ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
     prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]
     env_rows = [_env_row(rows, i) for i in range(len(rows))]
-    if groups_in_flight is not None and (tag := dispatch_tag(rows)) is not None:
-        return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, tag, groups_in_flight)
+    if window is not None and (tag := dispatch_tag(rows)) is not None:
+        return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, tag, window)
     return loop.run(turns, prompts, env_rows, seeds)
 
 

@@ -186,8 +186,9 @@ class VLLMRolloutWorker:
             0, 2**31 - 1, (len(rows),), generator=self.generator).tolist()
         if self.agent is not None:
             self._wake()
+            window = None if self._groups_in_flight is None else self._groups_in_flight * self.n   # episodes
             out = generate_episodes(self.agent, VLLMTurns(self, greedy, temperature), rows, seeds, self._weight_version,
-                                    self._groups_in_flight)
+                                    window)
             if self.enable_sleep_mode:
                 self.sleep()
             return out

@@ -159,7 +159,7 @@ def test_two_ranks_share_a_round_by_load_and_return_what_the_even_split_gives():
     def rank(r):
         try:
             tag = {"round": "step1", "rank": r, "world": 2}
-            out[r] = shared_episodes(_loop(), SeededEngine(), *shares[r], tag, 1, board=LocalBoard(board), me=r)
+            out[r] = shared_episodes(_loop(), SeededEngine(), *shares[r], tag, 2, board=LocalBoard(board), me=r)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -187,7 +187,7 @@ def test_the_fast_rank_runs_groups_of_the_slow_one(monkeypatch):
 
     monkeypatch.setattr(board, "claim", watched)
     threads = [threading.Thread(target=shared_episodes, args=(
-        _loop(), SeededEngine(), *shares[r], {"round": "s", "rank": r, "world": 2}, 1),
+        _loop(), SeededEngine(), *shares[r], {"round": "s", "rank": r, "world": 2}, 2),
         kwargs={"board": LocalBoard(board), "me": r}) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -219,6 +219,22 @@ def test_an_owner_runs_the_group_a_dead_rank_held():
             return method
 
     got = shared_episodes(_loop(), SeededEngine(), prompts, env_rows, seeds, rows,
-                          {"round": "r", "rank": 0, "world": 2}, 2, board=Thief(), me="rank0")
+                          {"round": "r", "rank": 0, "world": 2}, 4, board=Thief(), me="rank0")
     assert stolen[0][:2] == (0, 2)
     assert _as_tuples(got) == even
+
+
+def test_a_rank_takes_groups_while_it_runs_fewer_episodes_than_its_window():
+    """The window counts episodes (groups_in_flight x rollout.n): groups of 8 samples two at a
+    time in training, single-sample validation groups sixteen at a time."""
+    from raygraph.agents.episode import Episode
+    from raygraph.workers.agent_dispatch import _Share
+
+    for size, groups_at_once in ((8, 2), (1, 16)):
+        board = GroupBoard(is_dead=lambda handle: False)
+        payloads = [([[1]] * size, [{}] * size, [0] * size) for _ in range(40)]
+        board.register("r", 0, 1, payloads)
+        share, episodes = _Share(LocalBoard(board), {"round": "r", "rank": 0}, payloads, window=16), []
+        while (more := share.more(episodes)) is not None:
+            episodes += [Episode(len(episodes), p, s) for p, s in zip(more[0], more[2])]
+        assert len(share.running) == groups_at_once and len(episodes) == 16
