@@ -38,7 +38,8 @@ class _Round:
     def __init__(self, world: int) -> None:
         self.world = world
         self.payloads: dict[int, list[Any]] = {}       # owner rank -> its groups' payloads
-        self.claimants: dict[int, Any] = {}            # rank -> its actor handle
+        self.claimants: dict[int, Any] = {}            # rank -> its actor handle (None: not known)
+        self.gone: set[int] = set()                    # ranks that failed (released) or were found dead
         self.claimed: dict[tuple[int, int], int] = {}  # (owner, group) -> rank running it
         self.done: dict[tuple[int, int], Any] = {}     # (owner, group) -> episodes, until collected
         self.returned: set[tuple[int, int]] = set()    # (owner, group) handed back to its owner
@@ -57,6 +58,19 @@ class GroupBoard:
         self._lock = threading.Lock()
         self._is_dead = is_dead or _RayProbes().is_dead
 
+    def _round(self, round_id: str) -> _Round:
+        r = self._rounds.get(round_id)
+        if r is None:
+            raise KeyError(f"dispatch round {round_id} is not on the board (finished, or one of more than "
+                           f"{KEEP_ROUNDS} rounds since)")
+        return r
+
+    def _dead(self, r: _Round, rank: int) -> bool:
+        """Whether `rank` failed or died (a rank of unknown handle counts as alive until it releases)."""
+        if rank not in r.gone and r.claimants.get(rank) is not None and self._is_dead(r.claimants[rank]):
+            r.gone.add(rank)
+        return rank in r.gone
+
     def register(self, round_id: str, rank: int, world: int, payloads: list[Any], claimant: Any = None) -> None:
         """Rank `rank` of `world` puts its share's groups (one payload each, in order) on the board."""
         with self._lock:
@@ -72,47 +86,49 @@ class GroupBoard:
 
     def claim(self, round_id: str, rank: int) -> tuple[int, int, Any] | None:
         """The next group for `rank` to run, `(owner, group index, payload)`: its own first, then the
-        last unclaimed group of the rank with the most unclaimed; None when none is left."""
+        last unclaimed group of the live rank with the most unclaimed; None when none is left (the
+        groups of a rank that failed or died are nobody's work: its step fails anyway)."""
         with self._lock:
-            r = self._rounds[round_id]
+            r = self._round(round_id)
             left = {owner: [j for j in range(len(p)) if (owner, j) not in r.claimed] for owner, p in r.payloads.items()}
             if left.get(rank):
                 owner, j = rank, left[rank][0]
             else:
-                busiest = max(left, key=lambda o: (len(left[o]), -o), default=None)
-                if busiest is None or not left[busiest]:
+                owners = sorted((o for o in left if left[o]), key=lambda o: (-len(left[o]), o))
+                owner = next((o for o in owners if not self._dead(r, o)), None)
+                if owner is None:
                     return None
-                owner, j = busiest, left[busiest][-1]
+                j = left[owner][-1]
             r.claimed[(owner, j)] = rank
             return owner, j, r.payloads[owner][j]
 
     def done(self, round_id: str, owner: int, group: int, episodes: Any) -> None:
-        """The episodes of `owner`'s group `group`, run by another rank."""
+        """The episodes of `owner`'s group `group`, run by another rank (dropped if the owner is gone)."""
         with self._lock:
-            self._rounds[round_id].done[(owner, group)] = episodes
+            r = self._round(round_id)
+            if owner not in r.gone:
+                r.done[(owner, group)] = episodes
 
     def release(self, round_id: str, rank: int) -> None:
-        """`rank` failed: the groups it claimed and did not finish go back to their owners."""
+        """`rank` failed: the groups it claimed and did not finish go back to their owners, its own
+        unclaimed ones are nobody's work, and what others ran for it is dropped."""
         with self._lock:
             r = self._rounds.get(round_id)
             if r is not None:
-                r.claimants[rank] = None
+                r.gone.add(rank)
+                r.done = {key: episodes for key, episodes in r.done.items() if key[0] != rank}
 
     def collect(self, round_id: str, owner: int) -> dict[str, dict[int, Any]]:
         """What `owner` gets back now: `done` (group -> episodes run by others) and `orphans`
         (group -> payload: groups whose claimant died or failed, now the owner's to run)."""
         with self._lock:
-            r = self._rounds[round_id]
+            r = self._round(round_id)
             done = {j: r.done.pop((o, j)) for o, j in list(r.done) if o == owner}
             r.returned.update((owner, j) for j in done)
-            running = {j: r.claimants.get(rank) for (o, j), rank in r.claimed.items()
-                       if o == owner and rank != owner and (o, j) not in r.returned}
-        gone = [j for j, claimant in running.items() if claimant is None or self._is_dead(claimant)]
-        with self._lock:
             orphans = {}
-            for j in gone:
-                if (owner, j) not in r.done:   # it may have finished while the probe ran
-                    r.claimed[(owner, j)] = owner
+            for (o, j), rank in list(r.claimed.items()):
+                if o == owner and rank != owner and (o, j) not in r.returned and self._dead(r, rank):
+                    r.claimed[(o, j)] = owner
                     orphans[j] = r.payloads[owner][j]
         return {"done": done, "orphans": orphans}
 
@@ -122,7 +138,7 @@ class GroupBoard:
             r = self._rounds.get(round_id)
             if r is not None:
                 r.finished.add(owner)
-                if len(r.finished) == r.world:
+                if len(r.finished | r.gone) >= r.world:
                     del self._rounds[round_id]
 
     def rounds(self) -> int:
@@ -131,23 +147,27 @@ class GroupBoard:
 
 
 class _RayProbes:
-    """Whether an actor is dead, by a call that queues behind its running task (one at a time)."""
+    """Whether an actor is dead, by a call that queues behind its running task (one per actor at a
+    time; answers at once: a probe not back yet means alive)."""
 
     def __init__(self) -> None:
-        self._probes: dict[Any, Any] = {}
+        self._probes: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def is_dead(self, handle: Any) -> bool:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        key = handle._actor_id.hex()
-        probe = self._probes.get(key)
-        if probe is None:
-            probe = self._probes[key] = handle.__ray_ready__.remote()
-        ready, _ = ray.wait([probe], timeout=0)
-        if not ready:
-            return False
-        del self._probes[key]
+        from raygraph.cluster.actor_ids import actor_id
+
+        key = actor_id(handle)
+        with self._lock:
+            probe = self._probes.setdefault(key, None) or handle.__ray_ready__.remote()
+            self._probes[key] = probe
+            ready, _ = ray.wait([probe], timeout=0)
+            if not ready:
+                return False
+            self._probes.pop(key, None)
         try:
             ray.get(probe)
         except ActorUnavailableError:

@@ -51,7 +51,8 @@ class AgentConfig(Section):
     dispatch: Literal["even", "least_loaded"] = Field(
         "even", description="How a step's episodes go over the rollout ranks: even (each rank runs its equal share "
         "of the prompt groups) or least_loaded (ranks take groups as they have room, so a rank slowed by long "
-        "episodes takes fewer; the batch is the same, bit for bit; vLLM engine only; raygraph.agents.dispatch).")
+        "episodes takes fewer; the batch is the same, bit for bit on vLLM's CPU build; vLLM engine only; "
+        "raygraph.agents.dispatch).")
     groups_in_flight: int = Field(2, ge=1, description="With dispatch=least_loaded: prompt groups one rollout rank "
                                   "runs at once, counted as groups_in_flight x rollout.n episodes (a single-sample "
                                   "validation runs as many episodes); fewer: finer balance, smaller engine batches.")

@@ -96,8 +96,8 @@ def _clip_ratio(batch: Batch, lengths, width: int) -> float:
 def agent_metrics(batch: Batch) -> dict[str, float]:
     """Multi-turn episodes (`raygraph.agents`): turns per episode, tool calls by outcome (per
     episode), seconds in environment steps and tools, and the share of episodes ended by each
-    truncation reason (`agent/truncated/<reason>`, "none" = the episode finished); with least-loaded
-    dispatch, the share of episodes another rollout rank ran (`agent/ran_elsewhere`)."""
+    truncation reason (`agent/truncated/<reason>`, "none" = the episode finished), and the share of
+    episodes another rollout rank ran (`agent/ran_elsewhere`; 0 unless `dispatch: least_loaded`)."""
     turns = batch[AGENT_TURNS].float()
     out = {"agent/turns_mean": float(turns.mean()), "agent/turns_max": float(turns.max()),
            "agent/env_s_mean": float(batch[AGENT_ENV_S].float().mean())}

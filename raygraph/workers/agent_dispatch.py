@@ -10,17 +10,40 @@ returns the episodes of its own share in order, whoever ran them.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from raygraph.agents.dispatch import board_name
+from raygraph.agents.dispatch import KEEP_ROUNDS, board_name
 from raygraph.agents.episode import Episode
 from raygraph.agents.loop import AgentLoop
 from raygraph.batch import SHARD, UID, Batch
 
-__all__ = ["shared_episodes", "dispatch_tag"]
+__all__ = ["Dispatch", "shared_episodes", "dispatch_tag"]
 
 POLL_S = 0.02   # how often a rank with nothing left to run asks the board for its episodes
+
+
+class Dispatch:
+    """A rank's least-loaded dispatch: its window (episodes at once) and the names of its rounds.
+
+    A scatter's shares can feed several generate calls (ReMax's sampled and greedy rollouts, a
+    validation with `val_n` > 1, a rollout output passed on to another generate): each call is a
+    round of its own, `<scatter id>#<k>` for the k-th call on that scatter. Every rank runs the
+    step's calls in the same order, so their k agree. The call's sampling settings are part of the
+    name too: a rank only ever runs another's groups as that rank's own call would have."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._calls: OrderedDict[str, int] = OrderedDict()   # scatter id -> calls made on it
+
+    def round_of(self, tag: dict, settings: tuple = ()) -> dict:
+        base = tag["round"]
+        k = self._calls.pop(base, 0)
+        self._calls[base] = k + 1
+        while len(self._calls) > KEEP_ROUNDS:
+            self._calls.popitem(last=False)
+        return {**tag, "round": f"{base}#{k}" + "".join(f":{v}" for v in settings)}
 
 
 def dispatch_tag(rows: Batch) -> dict | None:
@@ -77,17 +100,26 @@ class _Share:
                     ep.elsewhere = True
                 _get(self.board.done.remote(self.round, owner, j, group))
 
-    def wait_for_own(self, loop: AgentLoop, engine) -> list[Episode]:
-        """Every own group's episodes, in order: those others ran, and those whose claimant died
-        (run here)."""
-        while len(self.mine) < len(self.payloads):
-            back = _get(self.board.collect.remote(self.round, self.rank))
-            self.mine.update(back["done"])
-            for j, payload in back["orphans"].items():
-                self.mine[j] = loop.run(engine, *payload)
-            if not back["done"] and not back["orphans"] and len(self.mine) < len(self.payloads):
-                time.sleep(POLL_S)
-        _get(self.board.finish.remote(self.round, self.rank))
+    def collect(self, loop: AgentLoop, engine) -> bool:
+        """Take what others ran of this rank's groups, and run here (in one call) those whose
+        claimant died or failed; whether anything came back."""
+        back = _get(self.board.collect.remote(self.round, self.rank))
+        self.mine.update(back["done"])
+        if back["orphans"]:
+            groups = list(back["orphans"].items())
+            prompts = [prompt for _, payload in groups for prompt in payload[0]]
+            env_rows = [row for _, payload in groups for row in payload[1]]
+            seeds = [seed for _, payload in groups for seed in payload[2]]
+            episodes, start = loop.run(engine, prompts, env_rows, seeds), 0
+            for j, payload in groups:
+                self.mine[j] = episodes[start:start + len(payload[0])]
+                start += len(payload[0])
+        return bool(back["done"] or back["orphans"])
+
+    def own_episodes(self) -> list[Episode] | None:
+        """Every own group's episodes in order, once all are back (else None)."""
+        if len(self.mine) < len(self.payloads):
+            return None
         return [ep for j in range(len(self.payloads)) for ep in self.mine[j]]
 
 
@@ -108,9 +140,15 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
     _get(board.register.remote(tag["round"], tag["rank"], tag["world"], payloads, me))
     share = _Share(board, tag, payloads, window)
     try:
-        episodes = loop.run(engine, [], [], [], more=share.more)
-        share.hand_back(episodes)
-        return share.wait_for_own(loop, engine)
+        while True:   # run groups off the board (own first) while there are any; then wait for own ones
+            share.exhausted = False
+            share.hand_back(loop.run(engine, [], [], [], more=share.more))
+            if (own := share.own_episodes()) is not None:
+                break
+            if not share.collect(loop, engine) and share.own_episodes() is None:
+                time.sleep(POLL_S)
+        _get(board.finish.remote(tag["round"], tag["rank"]))
+        return own
     except BaseException:
         board.release.remote(tag["round"], tag["rank"])   # the owners run what this rank held
         raise

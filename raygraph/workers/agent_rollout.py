@@ -45,7 +45,7 @@ from raygraph.batch import (
 )
 from raygraph.data.prompts import left_pad
 from raygraph.workers import vllm_compat
-from raygraph.workers.agent_dispatch import dispatch_tag, shared_episodes
+from raygraph.workers.agent_dispatch import Dispatch, dispatch_tag, shared_episodes
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 
 __all__ = ["no_episodes", "HFTurns", "VLLMTurns", "agent_loop", "episode_rows", "generate_episodes", "run_episodes"]
@@ -140,26 +140,28 @@ def agent_loop(args: dict, tokenizer, stop_token_ids: Sequence[int], max_model_l
 
 
 def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None], weight_version: int,
-                      window: int | None = None) -> Batch:
+                      dispatch: Dispatch | None = None) -> Batch:
     """One episode per row of `rows` (prompts already repeated n times), as rollout rows.
 
-    With `window` (episodes a rank runs at once), a share of a scattered step (`dispatch_tag`) is run with the other
+    With `dispatch` (least-loaded: `raygraph.workers.agent_dispatch`), a share of a scattered step (`dispatch_tag`) is run with the other
     rollout ranks taking prompt groups by load (`raygraph.workers.agent_dispatch`); the rows are
     the same."""
     with torch.no_grad():
-        episodes = run_episodes(loop, turns, rows, seeds, window)
+        episodes = run_episodes(loop, turns, rows, seeds, dispatch)
     return episode_rows(rows, episodes, loop.tokenizer, weight_version) if episodes else \
         no_episodes(rows, weight_version)
 
 
 def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None],
-                 window: int | None = None) -> list[Episode]:
+                 dispatch: Dispatch | None = None) -> list[Episode]:
     """One episode per row of `rows` (prompts already repeated n times)."""
     ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
     prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]
     env_rows = [_env_row(rows, i) for i in range(len(rows))]
-    if window is not None and (tag := dispatch_tag(rows)) is not None:
-        return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, tag, window)
+    if dispatch is not None and (tag := dispatch_tag(rows)) is not None:
+        settings = (getattr(turns, "greedy", None), getattr(turns, "relative_temperature", None))
+        return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, dispatch.round_of(tag, settings),
+                               dispatch.window)
     return loop.run(turns, prompts, env_rows, seeds)
 
 

@@ -52,7 +52,7 @@ from raygraph.batch import (
 from raygraph.models.loading import load_tokenizer
 from raygraph.models.lora import LoraSpec
 from raygraph.workers import rollout_engine, vllm_compat, vllm_in_process
-from raygraph.workers.agent_dispatch import dispatch_tag
+from raygraph.workers.agent_dispatch import Dispatch, dispatch_tag
 from raygraph.workers.agent_rollout import VLLMTurns, agent_loop, generate_episodes, no_episodes
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
@@ -135,7 +135,8 @@ class VLLMRolloutWorker:
             vllm_compat.scale_logits(self.engine, 1.0 / temperature)
         self.max_model_len = vllm_compat.max_model_len(self.engine)
         self.agent = None if agent is None else agent_loop(agent, self.tokenizer, self.stop_token_ids, self.max_model_len)
-        self._groups_in_flight = (agent or {}).get("groups_in_flight")   # least-loaded dispatch (None: even)
+        groups = (agent or {}).get("groups_in_flight")   # least-loaded dispatch (None: even)
+        self._dispatch = None if groups is None else Dispatch(groups * n)   # the window counts episodes
         self.enable_sleep_mode, self._asleep = enable_sleep_mode, False
         self.generator = torch.Generator().manual_seed(seed)
         self._weight_version = 0
@@ -178,7 +179,7 @@ class VLLMRolloutWorker:
         """
         n = n if n is not None else (1 if greedy else self.n)
         rows = batch.repeat_interleave(n) if n > 1 else batch
-        if len(rows) == 0 and not (self.agent is not None and self._groups_in_flight and dispatch_tag(rows)):
+        if len(rows) == 0 and not (self.agent is not None and self._dispatch and dispatch_tag(rows)):
             return (no_rollouts if self.agent is None else no_episodes)(rows, self._weight_version)
         ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
         prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]  # left padding dropped
@@ -186,9 +187,8 @@ class VLLMRolloutWorker:
             0, 2**31 - 1, (len(rows),), generator=self.generator).tolist()
         if self.agent is not None:
             self._wake()
-            window = None if self._groups_in_flight is None else self._groups_in_flight * self.n   # episodes
             out = generate_episodes(self.agent, VLLMTurns(self, greedy, temperature), rows, seeds, self._weight_version,
-                                    window)
+                                    self._dispatch)
             if self.enable_sleep_mode:
                 self.sleep()
             return out

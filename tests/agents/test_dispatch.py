@@ -54,20 +54,37 @@ def test_an_owner_gets_back_what_others_ran_and_runs_what_a_dead_claimant_held()
 
 def test_a_failed_rank_releases_its_claims_and_finished_rounds_are_forgotten():
     board = GroupBoard(is_dead=lambda handle: False)
-    board.register("r", 0, 2, ["a0", "a1"], claimant="rank0")
-    board.register("r", 1, 2, [], claimant="rank1")
-    assert board.claim("r", 1) == (0, 1, "a1")
-    board.release("r", 1)
-    assert board.collect("r", 0)["orphans"] == {1: "a1"}
+    board.register("r", 0, 3, ["a0", "a1"], claimant="rank0")
+    board.register("r", 1, 3, ["b0", "b1", "b2"], claimant="rank1")
+    board.register("r", 2, 3, [], claimant="rank2")
+    assert board.claim("r", 2) == (1, 2, "b2")
+    assert board.claim("r", 2) == (0, 1, "a1")
+    board.done("r", 1, 2, ["episodes of b2"])
+    board.release("r", 2)   # rank 2 failed holding a1
+    board.release("r", 1)   # rank 1 failed: its groups are nobody's work, what was run for it is dropped
+    assert board.collect("r", 0) == {"done": {}, "orphans": {1: "a1"}}
+    assert board.claim("r", 0) == (0, 0, "a0") and board.claim("r", 0) is None   # b0, b1 not taken
     board.finish("r", 0)
-    assert board.rounds() == 1
-    board.finish("r", 1)
-    assert board.rounds() == 0
+    assert board.rounds() == 0   # every rank finished or failed
     for k in range(KEEP_ROUNDS + 3):   # rounds of failed steps are never finished: bounded memory
         board.register(f"failed{k}", 0, 2, ["x"])
     assert board.rounds() == KEEP_ROUNDS
     with pytest.raises(ValueError, match="registered twice"):
         board.register(f"failed{KEEP_ROUNDS + 2}", 0, 2, ["x"])
+    with pytest.raises(KeyError, match="not on the board"):
+        board.claim("failed0", 1)
+
+
+def test_each_generate_call_on_a_scatter_is_a_round_of_its_own():
+    """ReMax samples and decodes greedily from the same shares; a validation with val_n > 1 calls
+    generate twice too: each call is its own round, and so are different sampling settings."""
+    from raygraph.workers.agent_dispatch import Dispatch
+
+    rank0, rank1, tag = Dispatch(16), Dispatch(16), {"round": "s", "rank": 0, "world": 2}
+    names = [rank0.round_of(tag, (False, 1.0))["round"], rank0.round_of(tag, (True, 1.0))["round"]]
+    assert names == ["s#0:False:1.0", "s#1:True:1.0"]
+    assert [rank1.round_of({**tag, "rank": 1}, (False, 1.0))["round"],
+            rank1.round_of({**tag, "rank": 1}, (True, 1.0))["round"]] == names
 
 
 def test_the_scatter_tags_each_share_and_a_gather_drops_the_tag():
