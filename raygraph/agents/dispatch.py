@@ -50,7 +50,8 @@ class GroupBoard:
     """The prompt groups of each dispatched generate call ("round"), who runs them, their results.
 
     Args:
-        is_dead: `is_dead(handle) -> bool` for a claimant's actor handle (None: Ray's, by probe).
+        is_dead: `is_dead(claimant) -> bool` for what a rank registered as its claimant (None: Ray's
+            probe of an `(actor id, actor handle)` pair).
     """
 
     def __init__(self, is_dead: Callable[[Any], bool] | None = None) -> None:
@@ -154,15 +155,14 @@ class _RayProbes:
         self._probes: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def is_dead(self, handle: Any) -> bool:
+    def is_dead(self, claimant: tuple[str, Any]) -> bool:
+        """`claimant`: (the actor's id, its handle), as a rank registers itself."""
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        from raygraph.cluster.actor_ids import actor_id
-
-        key = actor_id(handle)
+        key, handle = claimant
         with self._lock:
-            probe = self._probes.setdefault(key, None) or handle.__ray_ready__.remote()
+            probe = self._probes.get(key) or handle.__ray_ready__.remote()
             self._probes[key] = probe
             ready, _ = ray.wait([probe], timeout=0)
             if not ready:

@@ -130,12 +130,14 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
     ranks of the round taking groups by load (module docstring); a group is taken while this rank
     runs fewer than `window` episodes.
 
-    `board`, `me`: the run's board and this rank's actor handle (None: found through Ray)."""
+    `board`, `me`: the run's board and this rank as the board's `is_dead` knows it (None: through
+    Ray, `(actor id, actor handle)`)."""
     import ray  # only here: the HF sampler's process may have no Ray (a plain worker, benchmarks)
 
     if board is None:
         board = ray.get_actor(board_name(_run_name()))
-        me = ray.get_runtime_context().current_actor
+        context = ray.get_runtime_context()
+        me = (context.get_actor_id(), context.current_actor)   # what the board probes
     payloads = [(list(prompts[a:b]), list(env_rows[a:b]), list(seeds[a:b])) for a, b in _groups(rows)]
     _get(board.register.remote(tag["round"], tag["rank"], tag["world"], payloads, me))
     share = _Share(board, tag, payloads, window)
