@@ -259,11 +259,19 @@ class Batch:
         """
         if key not in self.non_tensors:
             return self.chunk(parts)
+        groups = self.group_bounds(key)
+        starts = [a for a, _ in groups] + [len(self)]
+        cuts = np.linspace(0, len(groups), parts + 1).round().astype(int)
+        return [self.select(slice(starts[a], starts[b])) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def group_bounds(self, key: str = UID) -> list[tuple[int, int]]:
+        """`(start, stop)` of each run of rows sharing `key` (contiguous groups); one row each
+        without the column."""
+        if key not in self.non_tensors:
+            return [(i, i + 1) for i in range(len(self))]
         ids = self.non_tensors[key]
         starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
-        n_groups = len(starts) - 1
-        cuts = np.linspace(0, n_groups, parts + 1).round().astype(int)
-        return [self.select(slice(starts[a], starts[b])) for a, b in zip(cuts[:-1], cuts[1:])]
+        return [(a, b) for a, b in zip(starts[:-1], starts[1:]) if b > a]
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GroupBoard", "board_name", "start_board"]
+__all__ = ["BoardClient", "GroupBoard", "board_name", "rank_board", "start_board"]
 
 KEEP_ROUNDS = 16   # rounds a board remembers (a failed step's round is never collected)
 
@@ -197,3 +197,26 @@ def start_board(run_name: str, timeout_s: float = 30.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+class BoardClient:
+    """The run's board as a rollout rank calls it: each `GroupBoard` method, a blocking call on the actor."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str):
+        import ray
+
+        method = getattr(self._handle, name)
+        return lambda *args: ray.get(method.remote(*args))
+
+
+def rank_board() -> tuple[BoardClient, tuple]:
+    """From inside a rollout actor (`<run>/<roles>/<rank>`): the run's board, and this rank as the
+    board's probe knows it, `(actor id, actor handle)`."""
+    import ray
+
+    context = ray.get_runtime_context()
+    run_name = context.get_actor_name().rsplit("/", 2)[0]
+    return BoardClient(ray.get_actor(board_name(run_name))), (context.get_actor_id(), context.current_actor)

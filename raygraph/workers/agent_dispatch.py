@@ -14,10 +14,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from raygraph.agents.dispatch import KEEP_ROUNDS, board_name
+from raygraph.agents.dispatch import KEEP_ROUNDS, rank_board
 from raygraph.agents.episode import Episode
 from raygraph.agents.loop import AgentLoop
-from raygraph.batch import SHARD, UID, Batch
+from raygraph.batch import SHARD, Batch
 
 __all__ = ["Dispatch", "shared_episodes", "dispatch_tag"]
 
@@ -52,15 +52,6 @@ def dispatch_tag(rows: Batch) -> dict | None:
     return tag if tag is not None and tag["world"] > 1 else None
 
 
-def _groups(rows: Batch) -> list[tuple[int, int]]:
-    """Row ranges of the prompt groups (rows sharing a uid, contiguous)."""
-    if UID not in rows.non_tensors or len(rows) == 0:
-        return [(i, i + 1) for i in range(len(rows))]
-    ids = rows.non_tensors[UID]
-    starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
-    return list(zip(starts[:-1], starts[1:]))
-
-
 class _Share:
     """This rank's part of one round: the groups it runs, those it owns, what came back."""
 
@@ -76,7 +67,7 @@ class _Share:
         self.hand_back(episodes)
         if self.exhausted or sum(map(len, self.running.values())) >= self.window:
             return None
-        claim = _get(self.board.claim.remote(self.round, self.rank))
+        claim = self.board.claim(self.round, self.rank)
         if claim is None:
             self.exhausted = True
             return None
@@ -98,12 +89,12 @@ class _Share:
             else:
                 for ep in group:
                     ep.elsewhere = True
-                _get(self.board.done.remote(self.round, owner, j, group))
+                self.board.done(self.round, owner, j, group)
 
     def collect(self, loop: AgentLoop, engine) -> bool:
         """Take what others ran of this rank's groups, and run here (in one call) those whose
         claimant died or failed; whether anything came back."""
-        back = _get(self.board.collect.remote(self.round, self.rank))
+        back = self.board.collect(self.round, self.rank)
         self.mine.update(back["done"])
         if back["orphans"]:
             groups = list(back["orphans"].items())
@@ -130,16 +121,12 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
     ranks of the round taking groups by load (module docstring); a group is taken while this rank
     runs fewer than `window` episodes.
 
-    `board`, `me`: the run's board and this rank as the board's `is_dead` knows it (None: through
-    Ray, `(actor id, actor handle)`)."""
-    import ray  # only here: the HF sampler's process may have no Ray (a plain worker, benchmarks)
-
+    `board`, `me`: the board (`GroupBoard`'s methods, called) and this rank as its `is_dead`
+    knows it (None: the run's, `raygraph.agents.dispatch.rank_board`)."""
     if board is None:
-        board = ray.get_actor(board_name(_run_name()))
-        context = ray.get_runtime_context()
-        me = (context.get_actor_id(), context.current_actor)   # what the board probes
-    payloads = [(list(prompts[a:b]), list(env_rows[a:b]), list(seeds[a:b])) for a, b in _groups(rows)]
-    _get(board.register.remote(tag["round"], tag["rank"], tag["world"], payloads, me))
+        board, me = rank_board()
+    payloads = [(list(prompts[a:b]), list(env_rows[a:b]), list(seeds[a:b])) for a, b in rows.group_bounds()]
+    board.register(tag["round"], tag["rank"], tag["world"], payloads, me)
     share = _Share(board, tag, payloads, window)
     try:
         while True:   # run groups off the board (own first) while there are any; then wait for own ones
@@ -149,21 +136,9 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
                 break
             if not share.collect(loop, engine) and share.own_episodes() is None:
                 time.sleep(POLL_S)
-        _get(board.finish.remote(tag["round"], tag["rank"]))
+        board.finish(tag["round"], tag["rank"])
         return own
     except BaseException:
-        board.release.remote(tag["round"], tag["rank"])   # the owners run what this rank held
+        board.release(tag["round"], tag["rank"])   # the owners run what this rank held
         raise
 
-
-def _run_name() -> str:
-    """The run's actor-name prefix: this actor is `<run>/<roles>/<rank>`."""
-    import ray
-
-    return ray.get_runtime_context().get_actor_name().rsplit("/", 2)[0]
-
-
-def _get(ref) -> Any:
-    import ray
-
-    return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref   # a board in this process answers at once

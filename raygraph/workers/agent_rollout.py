@@ -143,9 +143,9 @@ def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int |
                       dispatch: Dispatch | None = None) -> Batch:
     """One episode per row of `rows` (prompts already repeated n times), as rollout rows.
 
-    With `dispatch` (least-loaded: `raygraph.workers.agent_dispatch`), a share of a scattered step (`dispatch_tag`) is run with the other
-    rollout ranks taking prompt groups by load (`raygraph.workers.agent_dispatch`); the rows are
-    the same."""
+    With `dispatch` (least-loaded, `VLLMTurns` only), a share of a scattered step (`dispatch_tag`)
+    is run with the other rollout ranks taking prompt groups by load
+    (`raygraph.workers.agent_dispatch`); the rows are the same."""
     with torch.no_grad():
         episodes = run_episodes(loop, turns, rows, seeds, dispatch)
     return episode_rows(rows, episodes, loop.tokenizer, weight_version) if episodes else \
@@ -159,7 +159,7 @@ def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None
     prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]
     env_rows = [_env_row(rows, i) for i in range(len(rows))]
     if dispatch is not None and (tag := dispatch_tag(rows)) is not None:
-        settings = (getattr(turns, "greedy", None), getattr(turns, "relative_temperature", None))
+        settings = (turns.greedy, turns.relative_temperature)
         return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, dispatch.round_of(tag, settings),
                                dispatch.window)
     return loop.run(turns, prompts, env_rows, seeds)

@@ -137,16 +137,6 @@ class Slow:
         return f"again {self.k}", float(len(response)), self.k >= 2
 
 
-class LocalBoard:
-    """The board in this process, called as the Ray actor is (`.method.remote(...)` answers at once)."""
-
-    def __init__(self, board):
-        self.board = board
-
-    def __getattr__(self, name):
-        return type("Method", (), {"remote": staticmethod(getattr(self.board, name))})
-
-
 def _loop() -> AgentLoop:
     register_env("test_dispatch.Slow", Slow)
     budgets = AgentBudgets(max_turns=3, max_new_tokens=8, max_total_tokens=128, max_message_tokens=8)
@@ -176,7 +166,7 @@ def test_two_ranks_share_a_round_by_load_and_return_what_the_even_split_gives():
     def rank(r):
         try:
             tag = {"round": "step1", "rank": r, "world": 2}
-            out[r] = shared_episodes(_loop(), SeededEngine(), *shares[r], tag, 2, board=LocalBoard(board), me=r)
+            out[r] = shared_episodes(_loop(), SeededEngine(), *shares[r], tag, 2, board=board, me=r)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -205,7 +195,7 @@ def test_the_fast_rank_runs_groups_of_the_slow_one(monkeypatch):
     monkeypatch.setattr(board, "claim", watched)
     threads = [threading.Thread(target=shared_episodes, args=(
         _loop(), SeededEngine(), *shares[r], {"round": "s", "rank": r, "world": 2}, 2),
-        kwargs={"board": LocalBoard(board), "me": r}) for r in (0, 1)]
+        kwargs={"board": board, "me": r}) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -220,20 +210,16 @@ def test_an_owner_runs_the_group_a_dead_rank_held():
     dead: set[str] = set()
     board = GroupBoard(is_dead=lambda handle: handle in dead)
     board.register("r", 1, 2, [], claimant="rank1")
-    local = LocalBoard(board)
     stolen = []
 
     class Thief:   # rank 1 takes rank 0's last group as soon as rank 0 registers, then dies
         def __getattr__(self, name):
-            method = getattr(local, name)
-            if name == "register":
-                def register(*args):
-                    out = method.remote(*args)
-                    stolen.append(board.claim("r", 1))
-                    dead.add("rank1")
-                    return out
-                return type("M", (), {"remote": staticmethod(register)})
-            return method
+            return getattr(board, name)
+
+        def register(self, *args):
+            board.register(*args)
+            stolen.append(board.claim("r", 1))
+            dead.add("rank1")
 
     got = shared_episodes(_loop(), SeededEngine(), prompts, env_rows, seeds, rows,
                           {"round": "r", "rank": 0, "world": 2}, 4, board=Thief(), me="rank0")
@@ -251,7 +237,7 @@ def test_a_rank_takes_groups_while_it_runs_fewer_episodes_than_its_window():
         board = GroupBoard(is_dead=lambda handle: False)
         payloads = [([[1]] * size, [{}] * size, [0] * size) for _ in range(40)]
         board.register("r", 0, 1, payloads)
-        share, episodes = _Share(LocalBoard(board), {"round": "r", "rank": 0}, payloads, window=16), []
+        share, episodes = _Share(board, {"round": "r", "rank": 0}, payloads, window=16), []
         while (more := share.more(episodes)) is not None:
             episodes += [Episode(len(episodes), p, s) for p, s in zip(more[0], more[2])]
         assert len(share.running) == groups_at_once and len(episodes) == 16
