@@ -67,9 +67,11 @@ LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Bro
 def find_dead_actors(roles, exc: BaseException) -> list[str]:
     """Names of the run's dead actors after `exc` (`Roles.dead_actors`). When none is dead yet but
     `exc` says a peer vanished (`LOST_PEER_SIGNS`), keep asking until Ray reports the death (a
-    lost node takes its health-check time), at most `node_death_bound_s()`; [] if none died."""
+    lost node takes its health-check time), at most `node_death_bound_s()`; [] if none died.
+    A failure of an actor that says it is unusable (`ACTOR_UNUSABLE`) is not waited for: the peer
+    that vanished was its engine or environment host (no run actor), so no verdict would come."""
     dead = roles.dead_actors()
-    if dead or not any(sign in str(exc) for sign in LOST_PEER_SIGNS):
+    if dead or _unusable(exc) or not any(sign in str(exc) for sign in LOST_PEER_SIGNS):
         return dead
     bound_s, started = node_death_bound_s(), time.monotonic()
     print(f"[raygraph] {_where(exc)}: a peer vanished; waiting up to {bound_s:.0f}s for Ray to report "
@@ -78,6 +80,10 @@ def find_dead_actors(roles, exc: BaseException) -> list[str]:
         time.sleep(0.5)
         dead = roles.dead_actors()   # an actor on a silent node does not answer: ~3 s per round
     return dead
+
+
+def _unusable(exc: BaseException) -> bool:
+    return isinstance(exc, RoleError) and exc.cause.startswith(ACTOR_UNUSABLE)
 
 
 def node_death_bound_s() -> float:

@@ -32,6 +32,20 @@ def test_a_plain_exception_is_not_waited_for():
     assert find_dead_actors(roles, ValueError("bad reward")) == [] and roles.calls == 1
 
 
+def test_an_actor_that_lost_its_env_host_is_not_waited_for():
+    """The rollout actor names itself unusable (EnvHostDied) and its cause quotes the host's
+    ActorUnavailableError: no run actor died, so waiting for Ray's verdict would only cost the
+    whole bound (65 s, which the env-host chaos run spent before this)."""
+    from raygraph.cluster import RoleError
+    from raygraph.cluster.errors import CallSite
+
+    roles = _Roles(verdict_after=2)
+    exc = RoleError(CallSite("rollout", 0, "run/rollout+reward/0"), "generate", "...",
+                    "EnvHostDied: the env host 1 died during a step (ActorUnavailableError: "
+                    "The actor is temporarily unavailable)")
+    assert find_dead_actors(roles, exc) == [] and roles.calls == 1
+
+
 def test_the_wait_is_bounded_by_rays_node_death_detection():
     assert node_death_bound_s() == 5 * (10 + 3)   # Ray's defaults: 5 missed checks, 10 s timeout, 3 s apart
 
