@@ -35,6 +35,7 @@ __all__ = [
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
     "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "PROMPT_MESSAGES", "RESPONSE_TEXT", "EXTRA_INFO",
+    "JUDGE_PROMPT", "JUDGE_OUTPUT",
     "AGENT_TURNS", "AGENT_ENV_S", "AGENT_TOOL_OK", "AGENT_TOOL_ERROR", "AGENT_TOOL_TIMEOUT", "AGENT_TRUNCATION",
     "AGENT_ELSEWHERE",
     "AGENT_CONVERSATION", "NEXT_PROMPTS", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
@@ -78,6 +79,8 @@ GROUND_TRUTH = "ground_truth"
 PROMPT_TEXT = "prompt_text"  # the formatted prompt string (after the chat template)
 PROMPT_MESSAGES = "prompt_messages"  # the prompt's chat messages (before the template)
 RESPONSE_TEXT = "response_text"
+JUDGE_PROMPT = "judge_prompt"  # str: what an LLM judge was asked about the row (reward.kind=judge)
+JUDGE_OUTPUT = "judge_output"  # str: the judge's verdict text
 EXTRA_INFO = "extra_info"
 
 # --- multi-turn episodes (`raygraph.agents`), one row each ------------------------------------

@@ -52,3 +52,50 @@ def test_a_grpo_step_agrees_with_vllm_and_validates_beyond_one_scheduler_batch_o
     assert summary.val_accuracy_start is None and not (summary.run_dir / "samples" / "val_step_000000.jsonl").exists()
     samples = (summary.run_dir / "samples" / "val_step_000001.jsonl").read_text().splitlines()
     assert len(samples) == 32 and all(json.loads(s)["response"].strip() for s in samples)   # one sample a prompt
+
+
+def test_smollm2_judges_the_demo_answers_and_its_verdicts_become_advantages(smollm2_path, tiny_model_path):
+    """SmolLM2-135M-Instruct as an LLM judge (`reward.kind=judge` with the template and parser of
+    docs/custom-algorithm.md's judge.yaml, HF engine, through its chat template) of the tiny demo
+    policy's answers: each verdict is the first number of the judge's text (a text with none is counted in judge_unparsed and scores 0, on_error=zero), the policy's
+    answers reach the judge's prompts decoded from the policy's own tokenizer, and GRPO turns the
+    scores into advantages. How good its verdicts are is not the point; the mechanism is."""
+    import re
+
+    import torch
+    import yaml
+    from doc_blocks import doc_blocks
+
+    from raygraph.algos import advantages
+    from raygraph.batch import GROUND_TRUTH, PROMPT_TEXT, RESPONSE_MASK, RESPONSES, UID, Batch
+    from raygraph.models.loading import load_tokenizer
+    from raygraph.workers.reward_judge import JudgeRewardWorker
+
+    tok = load_tokenizer(tiny_model_path)
+    questions = ["2+3=", "2+3=", "2+3=", "2+3=", "7+1=", "7+1=", "7+1=", "7+1="]
+    answers = ["5", "6", "five", "5", "8", "80", "8", "abc"]
+    ids = [tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id] for a in answers]
+    width = max(map(len, ids))
+    responses = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    batch = Batch({RESPONSES: responses, RESPONSE_MASK: mask},
+                  {PROMPT_TEXT: questions, GROUND_TRUTH: ["5"] * 4 + ["8"] * 4, UID: ["a"] * 4 + ["b"] * 4})
+    doc = yaml.safe_load(doc_blocks()["judge.yaml"])["reward"]["judge"]   # docs/custom-algorithm.md's judge
+    judge = JudgeRewardWorker(model_path=str(smollm2_path), tokenizer_path=tiny_model_path, on_error="zero",
+                              template=doc["template"], parser=doc["parser"], max_new_tokens=12)
+    out = judge.score(batch)
+    outputs, prompts = list(out["judge_output"]), list(out["judge_prompt"])
+    print("\nSmolLM2 as judge:\n" + "\n".join(f"  {p!r} -> {o!r}" for p, o in zip(prompts, outputs)))
+    assert all(o.strip() for o in outputs)   # the real model writes a verdict for every answer
+    assert [p.split(" the right")[0] for p in prompts] == [f"Is {a}" for a in answers]
+    read = [re.search(doc["parser"], o) for o in outputs]
+    assert out["reward_extra.judge_unparsed"].tolist() == [0.0 if m else 1.0 for m in read]
+    verdicts = [float(m.group(1)) if m else 0.0 for m in read]
+    scores = out["token_level_scores"]
+    assert scores.sum(-1).tolist() == pytest.approx(verdicts)
+    adv, _ = advantages.compute("grpo", token_rewards=scores, response_mask=mask,
+                                group_ids=torch.tensor([0] * 4 + [1] * 4))
+    for group in (slice(0, 4), slice(4, 8)):
+        v = torch.tensor(verdicts[group])
+        expected = (v - v.mean()) / (v.std() + 1e-6)
+        assert adv[group, 0].tolist() == pytest.approx(expected.tolist(), abs=1e-4)

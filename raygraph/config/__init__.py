@@ -16,6 +16,7 @@ from raygraph.config.schema import (
     CheckpointConfig,
     CriticConfig,
     DataConfig,
+    JudgeConfig,
     KLInRewardConfig,
     LoggingConfig,
     ModelConfig,
@@ -35,7 +36,7 @@ from raygraph.config.schema import (
 __all__ = [
     "RaygraphConfig", "ConfigError", "load_config", "build_config", "apply_overrides", "to_yaml",
     "config_problems", "ModelConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
-    "ActorConfig", "CriticConfig", "ReferenceConfig", "RewardConfig", "RemoteRewardConfig",
+    "ActorConfig", "CriticConfig", "ReferenceConfig", "RewardConfig", "RemoteRewardConfig", "JudgeConfig",
     "AlgorithmConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
     "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
 ]

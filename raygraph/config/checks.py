@@ -129,12 +129,18 @@ def _reward(cfg: RaygraphConfig) -> list[str]:
         return ["reward.kind='model' needs reward.model_path (the reward model to load)"]
     if reward.kind == "remote" and reward.remote is None:
         return ["reward.kind='remote' needs reward.remote.url (the scoring service)"]
+    if (reward.kind == "judge") != (reward.judge is not None):
+        return ["reward.kind='judge' needs reward.judge.model_path (the judge model)" if reward.kind == "judge"
+                else f"reward.judge applies to reward.kind=judge only (reward.kind={reward.kind!r})"]
+    if reward.kind == "judge" and reward.function is not None:
+        return ["reward.kind='judge': add rule rewards to the judge's verdict with reward.functions "
+                "(weighted terms), not reward.function"]
     return _reward_terms(reward)
 
 
 def _reward_terms(reward) -> list[str]:
     problems = []
-    if reward.kind != "rule":
+    if reward.kind not in ("rule", "judge"):   # a judge's score may add weighted rule functions
         set_keys = [k for k, v in (("functions", reward.functions), ("workers", reward.workers),
                                    ("timeout_s", reward.timeout_s)) if v]
         problems += [f"reward.{k} applies to rule rewards only (reward.kind={reward.kind!r})" for k in set_keys]

@@ -26,6 +26,7 @@ from raygraph.config.training_schema import (
     AlgorithmConfig,
     CriticConfig,
     ExtraRoleConfig,
+    JudgeConfig,
     KLInRewardConfig,
     LoraConfig,
     OptimConfig,
@@ -37,7 +38,7 @@ from raygraph.config.training_schema import (
 
 __all__ = [
     "RaygraphConfig", "ModelConfig", "LoraConfig", "DataConfig", "ToyDataConfig", "RolloutConfig", "OptimConfig",
-    "ActorConfig", "CriticConfig", "ReferenceConfig", "ExtraRoleConfig", "RewardConfig", "RemoteRewardConfig",
+    "ActorConfig", "CriticConfig", "ReferenceConfig", "ExtraRoleConfig", "RewardConfig", "RemoteRewardConfig", "JudgeConfig",
     "AlgorithmConfig", "RolloutCorrectionConfig", "KLInRewardConfig", "PlacementConfig", "PoolConfig", "TrainerConfig",
     "WarmStartConfig", "LoggingConfig", "CheckpointConfig",
     "ROLES", "estimator_needs", "tiny_model_dir",

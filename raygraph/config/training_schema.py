@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 
 from raygraph.algos.user_code import absolute_ref
 from raygraph.config.section import Section
+from raygraph.rewards.judge import CODE_REF, DEFAULT_PARSER, DEFAULT_TEMPLATE
 
 __all__ = ["OptimConfig", "ActorConfig", "CriticConfig", "ReferenceConfig", "RemoteRewardConfig", "RewardConfig", "RewardTermConfig",
            "KLInRewardConfig", "RolloutCorrectionConfig", "AlgorithmConfig", "LoraConfig", "ExtraRoleConfig"]
@@ -150,10 +151,39 @@ class RewardTermConfig(Section):
     _user_code = field_validator("function")(lambda value: _code_path(value))
 
 
+class JudgeConfig(Section):
+    model_path: str = Field(description="The judge: a causal LM (Hugging Face directory or hub id), frozen.")
+    template: str = Field(DEFAULT_TEMPLATE, description="The judge's prompt for one answer, with the fields "
+                          "{question} (the prompt's last user message), {prompt} (as the policy saw it), {response} "
+                          "(the answer; an episode's last model turn) and {ground_truth}.")
+    template_format: Literal["python", "jinja"] = Field("python", description="python: str.format fields in "
+                                                        "braces; jinja: a Jinja template ({{ response }}).")
+    chat: bool = Field(True, description="Send the prompt as a user message through the judge's chat template "
+                                         "(when it has one); false = the raw text.")
+    parser: str = Field(DEFAULT_PARSER, description="How the judge's output becomes a number: a regular expression "
+                        "(its first group, else the match; default: the first number) or my_code.py:fn (text -> "
+                        "number, or None when it cannot read one). No number = a parse failure (reward.on_error).")
+    weight: float = Field(1.0, description="The judge's weight in the score: weight x judge + the weighted "
+                                           "reward.functions, if any (metric reward/judge/mean: its mean verdict).")
+    engine: Literal["hf", "vllm"] = Field("hf", description="What generates the verdicts: the HF sampler or a "
+                                                            "vLLM engine (greedy, in the reward actor).")
+    max_new_tokens: int = Field(16, ge=1, description="Longest verdict, in tokens.")
+    max_model_len: int = Field(2048, ge=16, description="vllm: the engine's context; a judge prompt longer than "
+                                                        "this minus max_new_tokens is a failed call (reward.on_error).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vllm: the judge engine's share of GPU memory (CPU build: of host RAM, for "
+        "its KV cache); null = 0.9 on GPU, 0.15 on CPU. Set it lower when the judge shares a device or host "
+        "with a vLLM rollout engine.")
+
+    _user_code = field_validator("parser")(lambda value: _code_path(value) if CODE_REF.fullmatch(value) else value)
+
+
 class RewardConfig(Section):
-    kind: Literal["rule", "model", "remote", "env"] = Field(
-        "rule", description="rule functions, a reward model, a remote service, or env: the rewards the "
-        "environment of rollout.agent gave (summed per episode for acc: 1 when the return is > 0).")
+    kind: Literal["rule", "model", "remote", "env", "judge"] = Field(
+        "rule", description="rule functions, a reward model, a remote service, env: the rewards the "
+        "environment of rollout.agent gave (summed per episode for acc: 1 when the return is > 0), or judge: "
+        "an LLM's verdict on each answer (reward.judge), plus reward.functions if set.")
+    judge: JudgeConfig | None = Field(None, description="judge: the model, its prompt and how its verdict is read.")
     function: str | None = Field(None, description="rule: reward function by registry name "
                                                    "(raygraph.rewards, or one a plugin registers) or as "
                                                    "my_code.py:my_reward; null = chosen by each row's data_source.")

@@ -23,6 +23,8 @@ from raygraph.batch import (
     AGENT_TURNS,
     DATA_SOURCE,
     GROUND_TRUTH,
+    JUDGE_OUTPUT,
+    JUDGE_PROMPT,
     PROMPT_TEXT,
     RESPONSE_LENGTH,
     RESPONSE_MASK,
@@ -178,7 +180,8 @@ def sample_records(batch: Batch, rows: int = -1) -> list[dict]:
 
     Each record: `uid`, `prompt`, `response`, `score` (the row's summed token scores), the
     reward's extras (`acc`, ...), and where present `advantage` (mean over the response tokens),
-    `weight_version`, `response_length`, `data_source`, `ground_truth`; multi-turn rows add
+    `weight_version`, `response_length`, `data_source`, `ground_truth`, an LLM judge's `judge_prompt`
+    and `judge_output`; multi-turn rows add
     `conversation` (role, text, tokens, reward per message) and `truncation`.
     """
     n = len(batch) if rows < 0 else min(rows, len(batch))
@@ -194,7 +197,7 @@ def sample_records(batch: Batch, rows: int = -1) -> list[dict]:
         if key in batch:
             columns[name] = batch[key][:n].tolist()
     for key, name in ((PROMPT_TEXT, "prompt"), (RESPONSE_TEXT, "response"), (DATA_SOURCE, "data_source"),
-                      (GROUND_TRUTH, "ground_truth")):
+                      (GROUND_TRUTH, "ground_truth"), (JUDGE_PROMPT, JUDGE_PROMPT), (JUDGE_OUTPUT, JUDGE_OUTPUT)):
         if key in batch:
             columns[name] = [_plain(v) for v in batch[key][:n]]
     if AGENT_CONVERSATION in batch:   # multi-turn: the episode turn by turn

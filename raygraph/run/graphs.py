@@ -19,6 +19,7 @@ from raygraph.workers.engines import ROLLOUT_ENGINES
 from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.reference import ReferenceWorker
 from raygraph.workers.reward_env import EnvRewardWorker
+from raygraph.workers.reward_judge import JudgeRewardWorker
 from raygraph.workers.reward_model import RewardModelWorker
 from raygraph.workers.reward_remote import RemoteRewardWorker
 from raygraph.workers.reward_rule import RuleRewardWorker
@@ -26,7 +27,7 @@ from raygraph.workers.reward_rule import RuleRewardWorker
 __all__ = ["WORKERS", "worker_classes", "build_graphs", "check_graph_honours"]
 
 _REWARD_WORKERS = {"rule": RuleRewardWorker, "model": RewardModelWorker, "remote": RemoteRewardWorker,
-                   "env": EnvRewardWorker}
+                   "env": EnvRewardWorker, "judge": JudgeRewardWorker}
 _TORCH = lambda cfg: "torch"   # noqa: E731 - a kind with one engine: plain PyTorch (FSDP2 when trained)
 
 # Role kind (`raygraph.config.role_kinds`) -> (engine -> worker class, the config's choice of engine).

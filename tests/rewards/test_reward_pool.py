@@ -3,12 +3,12 @@ failing calls (reward.on_error) and several weighted functions (raygraph.rewards
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from doc_blocks import doc_blocks
 from transformers import AutoTokenizer
 
 from raygraph.algos.user_code import UserCodeError
@@ -191,12 +191,6 @@ def test_a_plugin_that_fails_in_the_pool_fails_its_start(tmp_path, user_file):
 
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def doc_blocks() -> dict[str, str]:
-    """docs/custom-algorithm.md's code blocks whose first line names a file, by file name."""
-    text = (REPO / "docs" / "custom-algorithm.md").read_text()
-    return dict(re.findall(r"```(?:python|yaml)\n# (\S+?\.(?:py|yaml))\b.*?\n(.*?)```", text, re.S))
 
 
 @pytest.mark.parametrize("world", [1, 2])

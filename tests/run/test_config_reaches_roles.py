@@ -31,6 +31,7 @@ BASES = {
     "vllm": (TOY, ["rollout.engine=vllm"]),
     "remote": (TOY, ["reward.kind=remote", "reward.remote.url=http://127.0.0.1:9/score"]),
     "model": (TOY, ["reward.kind=model", "reward.model_path=runs/models/rm"]),
+    "judge": (TOY, ["reward.kind=judge", "reward.judge.model_path=runs/models/judge"]),
     "agent": (MULTITURN, []),
     "agent_vllm": (MULTITURN, ["rollout.engine=vllm"]),
     "disagg": (TOY, ["placement.mode=disaggregated", "placement.train_workers=2", "placement.rollout_workers=1",
@@ -103,6 +104,19 @@ ROWS = [
     ("vllm", ["rollout.enforce_eager=false"], {("rollout", "enforce_eager"): False}),
     ("vllm", ["rollout.enable_prefix_caching=true"], {("rollout", "enable_prefix_caching"): True}),
     ("vllm", ["rollout.vllm_engine_core=own_process"], {("rollout", "engine_core"): "own_process"}),
+    ("judge", ["reward.judge.model_path=runs/models/other"], {("reward", "model_path"): "runs/models/other"}),
+    ("judge", ["reward.judge.template='Rate {response}'"], {("reward", "template"): "Rate {response}"}),
+    ("judge", ["reward.judge.template_format=jinja", "reward.judge.template='Rate {{ response }}'"],
+     {("reward", "template_format"): "jinja", ("reward", "template"): "Rate {{ response }}"}),
+    ("judge", ["reward.judge.chat=false"], {("reward", "chat"): False}),
+    ("judge", ["reward.judge.parser='Score: (\\d+)'"], {("reward", "parser"): "Score: (\\d+)"}),
+    ("judge", ["reward.judge.weight=0.25"], {("reward", "weight"): 0.25}),
+    ("judge", ["reward.judge.engine=vllm"], {("reward", "engine"): "vllm"}),
+    ("judge", ["reward.judge.max_new_tokens=5"], {("reward", "max_new_tokens"): 5}),
+    ("judge", ["reward.judge.max_model_len=300"], {("reward", "max_model_len"): 300}),
+    ("judge", ["reward.judge.gpu_memory_utilization=0.05"], {("reward", "gpu_memory_utilization"): 0.05}),
+    ("judge", ["reward.on_error=zero", "reward.functions=[{function: toy_arith, weight: 2.0}]"],
+     {("reward", "on_error"): "zero", ("reward", "functions"): [{"function": "toy_arith", "weight": 2.0, "name": None}]}),
     ("remote", ["reward.remote.timeout_s=4.5"], {("reward", "timeout_s"): 4.5}),
     ("remote", ["reward.remote.max_retries=5"], {("reward", "max_retries"): 5}),
     ("remote", ["reward.remote.backoff_s=0.25"], {("reward", "backoff_s"): 0.25}),
@@ -192,7 +206,7 @@ def test_the_table_covers_every_config_key_the_role_builders_read():
     source = (ROOT / "raygraph/run/role_specs.py").read_text()
     sections = {"cfg.model": "model", "cfg.rollout": "rollout", "r": "rollout", "a": "rollout.agent",
                 "actor": "actor", "critic": "critic", "ref": "reference", "reward": "reward",
-                "remote": "reward.remote", "optim": "actor.optim", "cfg.trainer": "trainer", "cfg.data": "data",
+                "remote": "reward.remote", "judge": "reward.judge", "optim": "actor.optim", "cfg.trainer": "trainer", "cfg.data": "data",
                 "lora": "model.lora", "p": "placement", "extra": "extra_roles"}
     read = set()
     for obj, section in sections.items():
@@ -209,7 +223,7 @@ def test_the_table_covers_every_config_key_the_role_builders_read():
         "model.lora.rank", "model.lora.alpha", "model.lora.dropout", "model.lora.target_modules",
         # need GPUs (a config error on CPU): tests/gpu
         "rollout.tensor_parallel_size", "rollout.sleep_between_steps",
-        "actor.optim", "critic.optim", "reward.remote", "reward.functions",   # sections; their keys have rows
+        "actor.optim", "critic.optim", "reward.remote", "reward.functions", "reward.judge",   # sections; their keys have rows
     }
     missing = sorted(k for k in read - covered - elsewhere if not k.endswith(("total_tokens", "turn_tokens")))
     assert not missing, f"config keys the role builders read with no row in ROWS: {missing}"
