@@ -99,7 +99,9 @@ def test_a_failed_run_aborts_its_engine_requests_and_closes_every_environment():
     agent = loop(env_workers=4, env_args={"sleep_s": 0.1, "turns": 3})
     with pytest.raises(EnvFailed, match="Sleepy raised in episode 0"):
         agent.run(engine, [PROMPT] * 4, rows, [0] * 4)
-    time.sleep(0.5)   # the other episodes' reactions finish after the failure
+    deadline = time.monotonic() + 10   # the other episodes' reactions finish after the failure (0.5 s was
+    while len(Sleepy.closed) < 4 and time.monotonic() < deadline:   # too short on a loaded 2-core machine)
+        time.sleep(0.05)
     assert sorted(Sleepy.closed) == sorted(Sleepy.opened) == [0, 1, 2, 3]
     assert engine.queue == []
 
