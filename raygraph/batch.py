@@ -187,6 +187,8 @@ class Batch:
             return Batch({k: v[index] for k, v in self.tensors.items()},
                          {k: v[index] for k, v in self.non_tensors.items()}, dict(self.meta))
         idx = torch.as_tensor(np.asarray(index))
+        if idx.numel() == 0:   # select([]): numpy makes an empty list float
+            idx = idx.long()
         if idx.dtype == torch.bool:
             idx = idx.nonzero().flatten()
         np_idx = idx.numpy()

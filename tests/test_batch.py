@@ -79,3 +79,9 @@ def test_a_missing_column_is_one_error_with_a_plain_message():
     assert isinstance(caught.value, KeyError) and isinstance(caught.value, ConfigInvalid)
     assert caught.value.exit_code == 2
     assert str(caught.value) == "Batch has no column 'advantages'; it has ['a', 'uid']"
+
+
+def test_selecting_no_rows_gives_an_empty_batch_with_every_column():
+    batch = Batch({"x": torch.arange(6).reshape(3, 2)}, {"s": ["a", "b", "c"]})
+    empty = batch.select([])
+    assert len(empty) == 0 and empty["x"].shape == (0, 2) and list(empty["s"]) == []

@@ -100,8 +100,9 @@ class JudgeRewardWorker:
     # ------------------------------------------------------------------------------- scoring
     def score(self, batch: Batch) -> Batch:
         """`token_level_scores` (weight x verdict + rule terms, on each row's last response token),
-        `reward_extra.judge/mean` (the verdict, 0 when unread; metric reward/judge/mean), `reward_extra.judge_unparsed`, the rule
-        functions' extras, and the text columns `judge_prompt`, `judge_output`."""
+        `reward_extra.judge/mean` (the verdict, 0 when unread; metric reward/judge/mean),
+        `reward_extra.judge_unparsed`, the rule functions' extras, and the text columns
+        `judge_prompt`, `judge_output`."""
         n, uids = len(batch), list(batch[UID]) if UID in batch else None
         prompts = self._judge_prompts(batch)
         rows = [i for i in range(n) if prompts[i] is not None]

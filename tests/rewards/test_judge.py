@@ -102,6 +102,11 @@ def test_the_judges_verdicts_are_the_scores_and_reach_the_dumps(tiny_model_path,
     assert [r["judge/mean"] for r in records] == pytest.approx(verdicts)
 
 
+def test_an_empty_batch_is_scored_without_calling_the_judge(tiny_model_path, tmp_path):
+    out = _judge(tiny_model_path, tmp_path).score(_rows(tiny_model_path).select([]))
+    assert len(out) == 0 and out[TOKEN_LEVEL_SCORES].shape[0] == 0 and list(out[JUDGE_OUTPUT]) == []
+
+
 def test_rule_functions_add_to_the_verdict(tiny_model_path, tmp_path):
     judge = _judge(tiny_model_path, tmp_path, weight=1.0,
                    functions=[{"function": "toy_arith", "weight": 2.0, "name": "arith"}])
