@@ -132,10 +132,29 @@ def _reward(cfg: RaygraphConfig) -> list[str]:
     if (reward.kind == "judge") != (reward.judge is not None):
         return ["reward.kind='judge' needs reward.judge.model_path (the judge model)" if reward.kind == "judge"
                 else f"reward.judge applies to reward.kind=judge only (reward.kind={reward.kind!r})"]
-    if reward.kind == "judge" and reward.function is not None:
-        return ["reward.kind='judge': add rule rewards to the judge's verdict with reward.functions "
-                "(weighted terms), not reward.function"]
+    if reward.kind == "judge":
+        return _judge(reward) + _reward_terms(reward)
     return _reward_terms(reward)
+
+
+def _judge(reward) -> list[str]:
+    """The judge's template and pattern parser, read now rather than when its actor starts."""
+    from raygraph.rewards.judge import CODE_REF, make_parser, make_template
+
+    problems = []
+    if reward.function is not None:
+        problems.append("reward.kind='judge': add rule rewards to the judge's verdict with reward.functions "
+                        "(weighted terms), not reward.function")
+    try:
+        make_template(reward.judge.template, reward.judge.template_format)
+        if not CODE_REF.fullmatch(reward.judge.parser):   # user code is imported where it runs
+            make_parser(reward.judge.parser)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if any(t.name == "judge" for t in reward.functions):
+        problems.append("reward.functions: the name 'judge' is the judge's own metric (reward/judge/mean); "
+                        "name the function otherwise")
+    return problems
 
 
 def _reward_terms(reward) -> list[str]:

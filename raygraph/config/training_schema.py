@@ -161,7 +161,7 @@ class JudgeConfig(Section):
     chat: bool = Field(True, description="Send the prompt as a user message through the judge's chat template "
                                          "(when it has one); false = the raw text.")
     parser: str = Field(DEFAULT_PARSER, description="How the judge's output becomes a number: a regular expression "
-                        "(its first group, else the match; default: the first number) or my_code.py:fn (text -> "
+                        "(its first group that matched, else the match; default: the first number) or my_code.py:fn (text -> "
                         "number, or None when it cannot read one). No number = a parse failure (reward.on_error).")
     weight: float = Field(1.0, description="The judge's weight in the score: weight x judge + the weighted "
                                            "reward.functions, if any (metric reward/judge/mean: its mean verdict).")

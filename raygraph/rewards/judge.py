@@ -5,7 +5,7 @@ judge's prompt from a template, its verdict parsed into a number, and the answer
   template (`jinja`), with the fields `question` (the prompt's last user message, else the whole
   prompt), `prompt` (the prompt as the policy saw it, chat markup included), `response` (the
   answer judged: a multi-turn episode's last model turn) and `ground_truth` ("" when none).
-- Parser: a regular expression whose first group (else its whole match) is the number, searched
+- Parser: a regular expression whose first matching group (else its whole match) is the number, searched
   in the judge's output; or user code (`file.py:fn` or `package.module:fn`, nothing else: a
   pattern such as `Score: (\d+)` stays a pattern) taking the output text and returning a number,
   or None when it cannot read one. An output the parser reads no number from is a parse failure
@@ -48,10 +48,14 @@ def make_template(template: str, template_format: str = "python") -> Callable[[M
         render: Callable[[Mapping[str, str]], str] = lambda fields: compiled.render(**fields)  # noqa: E731
     elif template_format == "python":
         try:
-            names = {name.split(".")[0].split("[")[0] for _, name, _, _ in _python_fields(template) if name}
+            fields = [name for _, name, _, _ in _python_fields(template) if name is not None]
         except ValueError as exc:
             raise ValueError(f"reward.judge.template is not a valid format string: {exc}") from exc
+        names = {name.split(".")[0].split("[")[0] for name in fields}
         unknown = sorted(names - set(FIELDS))
+        if "" in names or any(name.isdigit() for name in names):
+            raise ValueError("reward.judge.template has a positional field ({} or {0}); name the field, e.g. "
+                             "{response}")
         render = lambda fields: template.format(**fields)  # noqa: E731
     else:
         raise ValueError(f"unknown template_format {template_format!r}; valid: python, jinja")
@@ -89,9 +93,10 @@ def make_parser(spec: str) -> Callable[[str], float | None]:
         found = pattern.search(text)
         if found is None:
             return None
+        groups = [g for g in found.groups() if g is not None]   # the first group that matched
         try:
-            return _number(float(found.group(1) if pattern.groups else found.group(0)))
-        except (TypeError, ValueError):
+            return _number(float(groups[0] if pattern.groups else found.group(0)))
+        except (IndexError, TypeError, ValueError):
             return None
     return parse
 

@@ -123,14 +123,20 @@ class JudgeRewardWorker:
         if self.rules is not None:
             ruled = self.rules.score(batch)
             scores = [s + r for s, r in zip(scores, ruled[TOKEN_LEVEL_SCORES].sum(-1).tolist())]
-            extras.update({name[len(REWARD_EXTRA_PREFIX):]: ruled[name].tolist()
-                           for name in ruled.tensors if name.startswith(REWARD_EXTRA_PREFIX)})
+            theirs = {name[len(REWARD_EXTRA_PREFIX):]: ruled[name].tolist()
+                      for name in ruled.tensors if name.startswith(REWARD_EXTRA_PREFIX)}
+            clash = sorted(set(theirs) & set(extras))
+            if clash:
+                raise ValueError(f"reward.functions report {clash}, which are the judge's own columns; "
+                                 "rename the function (its `name`) or its extras")
+            extras.update(theirs)
         out = reward_batch(scores, extras, batch[RESPONSE_MASK], source=f"the judge {self.model_path}", uids=uids,
                            on_non_finite=self.on_non_finite)
         return out.with_columns(**{JUDGE_PROMPT: [p or "" for p in prompts], JUDGE_OUTPUT: texts})
 
     def _judge_prompts(self, batch: Batch) -> list[str | None]:
-        """The judge's prompt text of each row (None: an empty answer, scored 0 like every reward)."""
+        """The judge's prompt text of each row (None: an empty answer, e.g. only an end-of-turn token,
+        is not judged and its term scores 0)."""
         n = len(batch)
         responses, mask = batch[RESPONSES], batch[RESPONSE_MASK]
         answers = self.tokenizer.batch_decode([judge.final_answer_ids(responses[i], mask[i]) for i in range(n)],
@@ -140,8 +146,7 @@ class JudgeRewardWorker:
             skip_special_tokens=False))
         messages = list(batch[PROMPT_MESSAGES]) if PROMPT_MESSAGES in batch else [None] * n
         truths = list(batch[GROUND_TRUTH]) if GROUND_TRUTH in batch else [None] * n
-        lengths = mask.sum(-1).tolist()
-        return [None if lengths[i] == 0 else self.render({
+        return [None if not answers[i].strip() else self.render({
             "question": judge.question_of(messages[i], prompt_texts[i]), "prompt": prompt_texts[i],
             "response": answers[i], "ground_truth": "" if truths[i] is None else str(truths[i])})
             for i in range(n)]

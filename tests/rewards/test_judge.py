@@ -40,6 +40,8 @@ def test_templates_fill_the_fields_and_name_an_unknown_one():
         make_template("Rate {answer}")
     with pytest.raises(ValueError, match=r"\['answer'\]"):
         make_template("Rate {{ answer }}", "jinja")
+    with pytest.raises(ValueError, match="positional field"):
+        make_template("Rate {} {response}")
 
 
 def test_parsers_read_the_number_or_nothing(tmp_path):
@@ -47,6 +49,7 @@ def test_parsers_read_the_number_or_nothing(tmp_path):
     assert first("I give it 7.5 out of 10") == 7.5 and first("-3") == -3.0 and first("no idea") is None
     assert make_parser(r"Score: (\d+)")("Reasoning 1 2 3. Score: 8") == 8.0   # a pattern with a colon
     assert make_parser(r"\d+")("x 42 y") == 42.0                               # no group: the whole match
+    assert make_parser(r"Score: (\d+)|(\d+)/10")("8/10") == 8.0               # the first group that matched
     code = tmp_path / "parse.py"
     code.write_text("def parse(text):\n    return None if 'bad' in text else {'yes': 1, 'no': 0}.get(text.strip())\n")
     parse = make_parser(f"{code}:parse")
@@ -107,6 +110,24 @@ def test_an_empty_batch_is_scored_without_calling_the_judge(tiny_model_path, tmp
     assert len(out) == 0 and out[TOKEN_LEVEL_SCORES].shape[0] == 0 and list(out[JUDGE_OUTPUT]) == []
 
 
+def test_an_answer_of_only_special_tokens_is_not_judged(tiny_model_path, tmp_path):
+    from raygraph.models.loading import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_path)
+    batch = response_batch(tok, ["", "7"], ["1", "7"], ["toy_arith"] * 2)
+    batch.tensors["responses"][0, 0] = tok.eos_token_id   # a response of one end-of-turn token
+    batch.tensors["response_mask"][0, 0] = 1
+    out = _judge(tiny_model_path, tmp_path).score(batch)
+    assert list(out[JUDGE_PROMPT]) == ["", "Judge: <|user|>q1<|end|><|assistant|> -> 7"]
+    assert out[TOKEN_LEVEL_SCORES][0].abs().sum() == 0 and out[REWARD_EXTRA_PREFIX + "judge/mean"][0] == 0
+
+
+def test_a_rule_function_may_not_take_the_judges_columns(tiny_model_path, tmp_path):
+    judge = _judge(tiny_model_path, tmp_path, functions=[{"function": "toy_arith", "name": "judge"}])
+    with pytest.raises(ValueError, match=r"\['judge/mean'\], which are the judge's own columns"):
+        judge.score(_rows(tiny_model_path))
+
+
 def test_rule_functions_add_to_the_verdict(tiny_model_path, tmp_path):
     judge = _judge(tiny_model_path, tmp_path, weight=1.0,
                    functions=[{"function": "toy_arith", "weight": 2.0, "name": "arith"}])
@@ -137,6 +158,13 @@ def test_config_needs_the_judge_and_reaches_the_worker(tiny_model_path, tmp_path
         load_config("configs/grpo_toy.yaml", [*base, "reward.kind=judge"])
     with pytest.raises(ConfigError, match="reward.judge applies to reward.kind=judge only"):
         load_config("configs/grpo_toy.yaml", [*base, f"reward.judge.model_path={tiny_model_path}"])
+    judge = ["reward.kind=judge", f"reward.judge.model_path={tiny_model_path}"]
+    with pytest.raises(ConfigError, match=r"\['answer'\], which are not fields"):
+        load_config("configs/grpo_toy.yaml", [*base, *judge, "reward.judge.template='Rate {answer}'"])
+    with pytest.raises(ConfigError, match="neither file.py:fn nor a valid regular expression"):
+        load_config("configs/grpo_toy.yaml", [*base, *judge, "reward.judge.parser='(unclosed'"])
+    with pytest.raises(ConfigError, match="the name 'judge' is the judge's own metric"):
+        load_config("configs/grpo_toy.yaml", [*base, *judge, "reward.functions=[{function: toy_arith, name: judge}]"])
     cfg = load_config("configs/grpo_toy.yaml", [*base, "reward.kind=judge", f"reward.judge.model_path={tiny_model_path}",
                                                 "reward.judge.weight=0.25", "reward.judge.engine=vllm",
                                                 "reward.on_error=zero",
@@ -176,8 +204,11 @@ def test_a_run_trains_on_the_verdicts_of_a_vllm_judge(tiny_model_path, tmp_path,
     for step in (1, 2):
         records = [json.loads(line) for line in
                    (summary.run_dir / "samples" / f"train_step_{step:06d}.jsonl").read_text().splitlines()]
-        assert len(records) == 16 and all(r[JUDGE_PROMPT].startswith("Judge ") for r in records)
-        verdicts = [_verdict(r[JUDGE_OUTPUT]) if r["response_length"] else 0.0 for r in records]
+        judged = [bool(r["response"].strip()) for r in records]   # an empty answer is not judged
+        assert len(records) == 16 and sum(judged) > 8
+        assert [r[JUDGE_PROMPT].startswith("Judge ") if j else r[JUDGE_PROMPT] == "" for r, j in zip(records, judged)] \
+            == [True] * 16
+        verdicts = [_verdict(r[JUDGE_OUTPUT]) if j else 0.0 for r, j in zip(records, judged)]
         assert [r["judge/mean"] for r in records] == verdicts
         assert [r["score"] for r in records] == pytest.approx(
             [0.5 * v + 2.0 * r["toy_arith/mean"] for v, r in zip(verdicts, records)])
