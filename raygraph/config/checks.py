@@ -16,10 +16,10 @@ from raygraph.algos.user_code import is_code_ref
 from raygraph.config.agent_checks import agent_problems
 from raygraph.config.engine_choice import rollout_gpus
 from raygraph.config.frozen_models import frozen_model_problems
+from raygraph.config.reward_checks import reward_problems
 from raygraph.config.schema import ROLES, RaygraphConfig, estimator_needs, tiny_model_dir
 from raygraph.config.workflow_ref import Workflow
 from raygraph.models import lora as lora_models
-from raygraph.rewards.terms import make_terms
 from raygraph.workers import vllm_compat
 
 __all__ = ["config_problems", "lora_problems", "registry_problems", "semantic_problems", "workflow_problems"]
@@ -68,7 +68,7 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
 def semantic_problems(cfg: RaygraphConfig) -> list[str]:
     """Cross-field rules, in plain language (no imports beyond the schema)."""
     problems: list[str] = []
-    for check in (_model, _batch_split, _groups, _dapo, _reward, _reference, _placement, _pools, _data,
+    for check in (_model, _batch_split, _groups, _dapo, reward_problems, _reference, _placement, _pools, _data,
                   _chat_template, _mixing, _trainer):
         problems.extend(check(cfg))
     return problems
@@ -121,58 +121,6 @@ def _groups(cfg: RaygraphConfig) -> list[str]:
         return [f"the {advantage!r} advantage estimator compares the samples of each prompt with each other, "
                 f"so rollout.n must be at least 2 (got {n})"]
     return []
-
-
-def _reward(cfg: RaygraphConfig) -> list[str]:
-    reward = cfg.reward
-    if reward.kind == "model" and not reward.model_path:
-        return ["reward.kind='model' needs reward.model_path (the reward model to load)"]
-    if reward.kind == "remote" and reward.remote is None:
-        return ["reward.kind='remote' needs reward.remote.url (the scoring service)"]
-    if (reward.kind == "judge") != (reward.judge is not None):
-        return ["reward.kind='judge' needs reward.judge.model_path (the judge model)" if reward.kind == "judge"
-                else f"reward.judge applies to reward.kind=judge only (reward.kind={reward.kind!r})"]
-    if reward.kind == "judge":
-        return _judge(reward) + _reward_terms(reward)
-    return _reward_terms(reward)
-
-
-def _judge(reward) -> list[str]:
-    """The judge's template and pattern parser, read now rather than when its actor starts."""
-    from raygraph.rewards.judge import CODE_REF, make_parser, make_template
-
-    problems = []
-    if reward.function is not None:
-        problems.append("reward.kind='judge': add rule rewards to the judge's verdict with reward.functions "
-                        "(weighted terms), not reward.function")
-    try:
-        make_template(reward.judge.template, reward.judge.template_format)
-        if not CODE_REF.fullmatch(reward.judge.parser):   # user code is imported where it runs
-            make_parser(reward.judge.parser)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if any(t.name == "judge" for t in reward.functions):
-        problems.append("reward.functions: the name 'judge' is the judge's own metric (reward/judge/mean); "
-                        "name the function otherwise")
-    return problems
-
-
-def _reward_terms(reward) -> list[str]:
-    problems = []
-    if reward.kind not in ("rule", "judge"):   # a judge's score may add weighted rule functions
-        set_keys = [k for k, v in (("functions", reward.functions), ("workers", reward.workers),
-                                   ("timeout_s", reward.timeout_s)) if v]
-        problems += [f"reward.{k} applies to rule rewards only (reward.kind={reward.kind!r})" for k in set_keys]
-    if reward.functions and reward.function is not None:
-        problems.append("set reward.function or reward.functions, not both")
-    if reward.timeout_s is not None and reward.workers == 0:
-        problems.append("reward.timeout_s needs reward.workers >= 1: a call in the reward actor itself cannot "
-                        "be interrupted")
-    names = [t.name for t in make_terms(None, [t.model_dump() for t in reward.functions])]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice and reward.functions:
-        problems.append(f"reward.functions: the metric names {twice} are used twice; give each a distinct name")
-    return problems
 
 
 def _reference(cfg: RaygraphConfig) -> list[str]:

@@ -148,6 +148,11 @@ def _reward_args(cfg) -> dict:
                 **policy}
     if reward.kind == "env":
         return {}
+    if reward.kind == "remote":
+        remote = reward.remote
+        return {"url": remote.url, "tokenizer_path": tokenizer, "timeout_s": remote.timeout_s,
+                "max_retries": remote.max_retries, "backoff_s": remote.backoff_s, "auth_env": remote.auth_env,
+                **policy}
     rules = {"functions": [t.model_dump() for t in reward.functions], "workers": reward.workers,
              "timeout_s": reward.timeout_s, "on_error": reward.on_error, "plugins": tuple(cfg.plugins)}
     if reward.kind == "judge":
@@ -157,11 +162,6 @@ def _reward_args(cfg) -> dict:
                 "max_new_tokens": judge.max_new_tokens, "max_model_len": judge.max_model_len,
                 "gpu_memory_utilization": judge.gpu_memory_utilization, "tokenizer_path": tokenizer,
                 "dtype": cfg.model.dtype, **rules, **policy}
-    if reward.kind == "remote":
-        remote = reward.remote
-        return {"url": remote.url, "tokenizer_path": tokenizer, "timeout_s": remote.timeout_s,
-                "max_retries": remote.max_retries, "backoff_s": remote.backoff_s, "auth_env": remote.auth_env,
-                **policy}
     return {"tokenizer_path": tokenizer, "function": reward.function, **policy, **rules}
 
 

@@ -139,6 +139,9 @@ def shared_episodes(loop: AgentLoop, engine, prompts: Sequence[list[int]], env_r
         board.finish(tag["round"], tag["rank"])
         return own
     except BaseException:
-        board.release(tag["round"], tag["rank"])   # the owners run what this rank held
+        try:
+            board.release(tag["round"], tag["rank"])   # the owners run what this rank held
+        except Exception:  # noqa: BLE001 - the board itself gone: nothing to hand back; keep the first error
+            pass
         raise
 

@@ -155,11 +155,10 @@ class JudgeRewardWorker:
         """The judge's greedy output for each prompt text (None: the prompt does not fit)."""
         tok = self.engine.tokenizer
         if self.chat and tok.chat_template:
-            ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False) for t in texts]
+            ids = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)) for t in texts]
         else:
             ids = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
-        ids = [list(x["input_ids"]) if isinstance(x, Mapping) else list(x) for x in ids]
         fits = [k for k, x in enumerate(ids) if self.max_prompt_tokens is None or len(x) <= self.max_prompt_tokens]
         out: list[str | None] = [None] * len(texts)
         if not fits:
