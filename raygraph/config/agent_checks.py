@@ -3,7 +3,10 @@ the environment, its arguments, the tools and the parser are loaded here, before
 
 from __future__ import annotations
 
+import importlib.util
+
 from raygraph.agents.env import check_env_args, load_env
+from raygraph.agents.program import load_program, program_problems
 from raygraph.agents.sandbox import SandboxUnavailable, network_isolation
 from raygraph.agents.tools import Toolbox, tool_parser
 from raygraph.algos.user_code import UserCodeError
@@ -25,10 +28,11 @@ def agent_problems(cfg) -> list[str]:
                         "data.apply_chat_template=true")
     if agent.env is not None and cfg.reward.kind != "env":
         problems.append(f"rollout.agent.env gives the rewards, so set reward.kind=env (it is {cfg.reward.kind!r})")
+    problems += _program_problems(cfg)
     if agent.env_hosts and agent.env is None:
         problems.append("rollout.agent.env_hosts hosts environments: set rollout.agent.env (tools run in the "
                         "rollout rank)")
-    if agent.env is None and cfg.reward.kind == "env":
+    if agent.env is None and agent.program is None and cfg.reward.kind == "env":
         problems.append("reward.kind=env needs an environment: set rollout.agent.env (tools alone give no reward)")
     if agent.dispatch == "least_loaded" and cfg.resolved_rollout_engine != "vllm":
         problems.append("rollout.agent.dispatch=least_loaded needs rollout.engine=vllm: the HF sampler draws from one "
@@ -41,6 +45,30 @@ def agent_problems(cfg) -> list[str]:
         problems.append(f"rollout.agent.max_total_tokens={total} exceeds rollout.max_model_len="
                         f"{cfg.rollout.max_model_len}: an episode would not fit the engine's context")
     return problems + _user_code_problems(agent)
+
+
+def _program_problems(cfg) -> list[str]:
+    agent = cfg.rollout.agent
+    if agent.program is None:
+        return [f"rollout.agent.{name} is set but there is no rollout.agent.program to take it"
+                for name in ("program_args", "program_timeout_s", "program_host") if getattr(agent, name)]
+    problems = []
+    if agent.env is not None or agent.tools:
+        problems.append("rollout.agent.program runs the whole episode (its own tools and environment): leave "
+                        "rollout.agent.env and rollout.agent.tools unset")
+    if cfg.reward.kind != "env":
+        problems.append(f"rollout.agent.program returns the episode's reward, so set reward.kind=env "
+                        f"(it is {cfg.reward.kind!r})")
+    if agent.dispatch != "even":
+        problems.append("rollout.agent.program runs with rollout.agent.dispatch=even")
+    if importlib.util.find_spec("openai") is None:
+        problems.append("rollout.agent.program gives the program an openai.AsyncOpenAI client: pip install "
+                        "'raygraph[agents]' (the openai package)")
+    try:
+        problems += program_problems(load_program(agent.program), agent.program_args)
+    except UserCodeError as exc:
+        problems.append(f"rollout.agent.program: {exc}")
+    return problems
 
 
 def _user_code_problems(agent) -> list[str]:

@@ -20,6 +20,19 @@ class AgentConfig(Section):
     env: str | None = Field(None, description="The environment: a registered name (reveal_then_answer, tool_answer) "
                                               "or my_env.py:MyEnv (raygraph.agents.env has the contract); null = "
                                               "tools only: an episode ends when the model answers without a tool call.")
+    program: str | None = Field(None, description="Your own agent code instead of an environment: my_agent.py:run, "
+                                "an async def run(row, client, **program_args) -> reward (or {'reward': r, ...}) "
+                                "where client is an openai.AsyncOpenAI served by this run's rollout ranks; every "
+                                "request is a recorded model turn (raygraph.agents.program, docs/agents.md). "
+                                "Needs reward.kind=env and the openai package (pip install 'raygraph[agents]').")
+    program_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of every call of "
+                                         "rollout.agent.program (checked against its signature).")
+    program_timeout_s: float | None = Field(None, gt=0, description="One program episode's time limit: past it "
+                                            "the program is cancelled, its reward is 0 and its truncation "
+                                            "env_timeout (the calls it made are kept). null = none (a hung "
+                                            "program then stops the step at trainer.step_timeout_s).")
+    program_host: str | None = Field(None, description="The address the rollout ranks' endpoint binds (one "
+                                     "interface, never all); null = the node's own address as Ray knows it.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's "
                                                                          "constructor (checked against it).")
     tools: list[str] = Field(default_factory=list, description="Tools the model may call: python_exec (sandboxed, "
@@ -57,7 +70,7 @@ class AgentConfig(Section):
                                   "runs at once, counted as groups_in_flight x rollout.n episodes (a single-sample "
                                   "validation runs as many episodes); fewer: finer balance, smaller engine batches.")
 
-    _refs = field_validator("env", "tool_parser")(lambda value: _absolute(value))
+    _refs = field_validator("env", "tool_parser", "program")(lambda value: _absolute(value))
 
     @field_validator("tools")
     @classmethod

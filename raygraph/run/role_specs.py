@@ -136,7 +136,9 @@ def _agent_args(cfg) -> dict:
             "env_workers": a.env_workers, "tool_role": a.tool_role, "env_hosts": a.env_hosts,
             "env_host_cpus": a.env_host_cpus, "plugins": tuple(cfg.plugins),
             "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
-            "groups_in_flight": a.groups_in_flight if a.dispatch == "least_loaded" else None}
+            "groups_in_flight": a.groups_in_flight if a.dispatch == "least_loaded" else None,
+            **({"program": a.program, "program_args": dict(a.program_args), "program_timeout_s": a.program_timeout_s,
+                "host": a.program_host, "temperature": r.temperature, "top_p": r.top_p} if a.program else {})}
 
 
 def _reward_args(cfg) -> dict:

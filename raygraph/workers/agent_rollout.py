@@ -22,6 +22,7 @@ import torch
 
 from raygraph.agents.episode import Episode
 from raygraph.agents.loop import AgentLoop
+from raygraph.agents.program import ProgramLoop
 from raygraph.batch import (
     AGENT_CONVERSATION,
     AGENT_ELSEWHERE,
@@ -127,16 +128,19 @@ def _env_row(rows: Batch, i: int) -> dict:
             "uid": column(UID)}
 
 
-def agent_loop(args: dict, tokenizer, stop_token_ids: Sequence[int], max_model_len: int | None) -> AgentLoop:
-    """The engine's `AgentLoop` from the `rollout.agent` arguments; its context budget must fit
-    the engine's (`max_model_len`, None: no limit known). `groups_in_flight` (least-loaded
-    dispatch, `raygraph.workers.agent_dispatch`) is the rank's, not the loop's: it is left out."""
+def agent_loop(args: dict, tokenizer, stop_token_ids: Sequence[int],
+               max_model_len: int | None) -> AgentLoop | ProgramLoop:
+    """The engine's `AgentLoop` (or `ProgramLoop`, with `program`) from the `rollout.agent`
+    arguments; its context budget must fit the engine's (`max_model_len`, None: no limit known).
+    `groups_in_flight` (least-loaded dispatch, `raygraph.workers.agent_dispatch`) is the rank's,
+    not the loop's: it is left out."""
     args = {k: v for k, v in args.items() if k != "groups_in_flight"}
     total = args["budgets"]["max_total_tokens"]
     if max_model_len is not None and total > max_model_len:
         raise ValueError(f"rollout.agent.max_total_tokens={total} exceeds the engine's max_model_len {max_model_len}: "
                          "lower it, or raise rollout.max_model_len")
-    return AgentLoop(tokenizer=tokenizer, stop_token_ids=stop_token_ids, **args)
+    loop = ProgramLoop if args.get("program") else AgentLoop
+    return loop(tokenizer=tokenizer, stop_token_ids=stop_token_ids, **args)
 
 
 def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None], weight_version: int,
@@ -148,6 +152,8 @@ def generate_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int |
     (`raygraph.workers.agent_dispatch`); the rows are the same."""
     with torch.no_grad():
         episodes = run_episodes(loop, turns, rows, seeds, dispatch)
+    if isinstance(loop, ProgramLoop):   # an episode's calls may be several rows (`raygraph.agents.program`)
+        rows, episodes = program_rows(rows, episodes, loop.tokenizer)
     return episode_rows(rows, episodes, loop.tokenizer, weight_version) if episodes else \
         no_episodes(rows, weight_version)
 
@@ -163,6 +169,17 @@ def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None
         return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, dispatch.round_of(tag, settings),
                                dispatch.window)
     return loop.run(turns, prompts, env_rows, seeds)
+
+
+def program_rows(rows: Batch, episodes: Sequence[list[Episode]], tokenizer) -> tuple[Batch, list[Episode]]:
+    """The dataset rows repeated once per row of their episode, with each row's own prompt (ids and
+    text; the chat messages stay the dataset row's)."""
+    owners = [i for i, parts in enumerate(episodes) for _ in parts]
+    flat = [row for parts in episodes for row in parts]
+    ids, mask = left_pad([row.prompt for row in flat], tokenizer.pad_token_id)
+    texts = np.empty(len(flat), dtype=object)
+    texts[:] = tokenizer.batch_decode([row.prompt for row in flat])
+    return rows.select(owners).with_columns(**{PROMPT_IDS: ids, PROMPT_MASK: mask, PROMPT_TEXT: texts}), flat
 
 
 def no_episodes(rows: Batch, weight_version: int) -> Batch:

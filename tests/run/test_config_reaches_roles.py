@@ -26,6 +26,7 @@ MULTITURN = str(ROOT / "configs/demo_multiturn.yaml")
 PPO = ("policy", "rollout", "reward", "critic")
 # Base configs: a PPO run with a reference (hf rollout, rule reward), the same with vLLM, with
 # remote and model rewards, and the multi-turn demo (an agent rollout, on either engine).
+DEMO_PROGRAM = "raygraph.agents.demo_program:run"
 BASES = {
     "hf": (TOY, ["actor.kl_loss_coef=0.1", "workflow=ppo", "algorithm.advantage=gae"]),
     "vllm": (TOY, ["rollout.engine=vllm"]),
@@ -34,6 +35,7 @@ BASES = {
     "judge": (TOY, ["reward.kind=judge", "reward.judge.model_path=runs/models/judge"]),
     "agent": (MULTITURN, []),
     "agent_vllm": (MULTITURN, ["rollout.engine=vllm"]),
+    "program": (MULTITURN, ["rollout.agent.env=null", f"rollout.agent.program={DEMO_PROGRAM}"]),
     "disagg": (TOY, ["placement.mode=disaggregated", "placement.train_workers=2", "placement.rollout_workers=1",
                      "data.prompts_per_step=4", "actor.kl_loss_coef=0.1", "workflow=ppo", "algorithm.advantage=gae"]),
 }
@@ -148,6 +150,15 @@ ROWS = [
     ("agent", ["rollout.agent.tool_role=user"], {("rollout", "agent.tool_role"): "user"}),
     ("agent", ["rollout.agent.env_hosts=2"], {("rollout", "agent.env_hosts"): 2}),
     ("agent", ["rollout.agent.env_host_cpus=0.5"], {("rollout", "agent.env_host_cpus"): 0.5}),
+    ("agent", ["rollout.agent.env=null", f"rollout.agent.program={DEMO_PROGRAM}"],
+     {("rollout", "agent.env"): None, ("rollout", "agent.program"): DEMO_PROGRAM,
+      ("rollout", "agent.temperature"): 1.0, ("rollout", "agent.top_p"): 1.0}),
+    ("program", ["rollout.agent.program_args={retry_reward: 0.25}"],
+     {("rollout", "agent.program_args.retry_reward"): 0.25}),
+    ("program", ["rollout.agent.program_timeout_s=5"], {("rollout", "agent.program_timeout_s"): 5.0}),
+    ("program", ["rollout.agent.program_host=127.0.0.1"], {("rollout", "agent.host"): "127.0.0.1"}),
+    ("program", ["rollout.temperature=0.5"], {("rollout", "temperature"): 0.5, ("rollout", "agent.temperature"): 0.5,
+                                              ("policy", "temperature"): 0.5}),
     ("agent", ["data.chat_template_kwargs={enable_thinking: false}"],
      {("rollout", "agent.chat_template_kwargs.enable_thinking"): False}),
     ("disagg", ["placement.rollout_workers=2", "data.prompts_per_step=8"],

@@ -1,0 +1,77 @@
+"""Agent programs of tests/agents/test_program.py (loaded as `programs.py:<name>`, as a user's file)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+
+async def two_turns(row, client, feedback: str = "again"):
+    """Asks, then asks again with its answer and `feedback` appended: the second call extends the first."""
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model="policy", messages=messages, logprobs=True)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": feedback}]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return {"reward": float(len(second.choices[0].message.content)), "first": first.model_dump()}
+
+
+async def rewritten_history(row, client):
+    """The second call drops the first exchange and asks something else: a new row."""
+    await client.chat.completions.create(model="policy", messages=list(row["prompt"]))
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "other"}])
+    return 2.0
+
+
+async def asks_for(row, client, **params):
+    """One call with `params`; the reward is 1 when it was served, else the error's status / 1000."""
+    import openai
+
+    try:
+        await client.chat.completions.create(model="policy", messages=list(row["prompt"]), **params)
+    except openai.APIStatusError as exc:
+        row["extra_info"]["error"] = str(exc)
+        return exc.status_code / 1000
+    return 1.0
+
+
+async def many_calls(row, client, calls: int = 5):
+    """`calls` calls, each with a fresh one-message prompt; the refusal past max_turns is caught."""
+    import openai
+
+    done = 0
+    for _ in range(calls):
+        try:
+            await client.completions.create(model="policy", prompt="12+", max_tokens=100)
+            done += 1
+        except openai.BadRequestError:
+            break
+    return float(done)
+
+
+async def hangs_after_one_call(row, client):
+    """One call, then waits forever when the row says so (extra_info.hang)."""
+    await client.chat.completions.create(model="policy", messages=list(row["prompt"]))
+    if row["extra_info"].get("hang"):
+        await asyncio.sleep(3600)
+    return 1.0
+
+
+async def raises(row, client):
+    raise RuntimeError("the agent broke")
+
+
+async def returns_text(row, client):
+    return "fine"
+
+
+async def plain_http(row, client):
+    """No openai calls: raw HTTP with the client's address and key (and one request without the key)."""
+    url = f"{client.base_url}".rstrip("/") + "/chat/completions"
+    body = {"model": "policy", "messages": list(row["prompt"])}
+    async with httpx.AsyncClient() as http:
+        anonymous = await http.post(url, json=body)
+        served = await http.post(url, json=body, headers={"Authorization": f"Bearer {client.api_key}"})
+    row["extra_info"]["statuses"] = (anonymous.status_code, served.status_code)
+    return float(len(served.json()["raygraph"]["completion_token_ids"]))
