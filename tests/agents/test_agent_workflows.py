@@ -2,7 +2,8 @@
 model, `retry_with_feedback`, `reward.kind: env`) trained through `raygraph train` for two steps
 with PPO (critic, GAE, KL in the reward), RLOO (with a KL loss), REINFORCE++, ReMax, GRPO with
 DAPO's dynamic sampling, GRPO with LoRA, and GRPO asynchronously (disaggregated, one step stale)
-with an exact resume from a checkpoint holding prefetched episodes.
+with an exact resume from a checkpoint holding prefetched episodes; and the demo's task as an
+agent program (`rollout.agent.program`) under PPO, disaggregated, with LoRA.
 
 What every run must show (`_steps`): exit code 0, one metrics line per step with the agent
 metrics, every number finite, and the policy's log-probs of the multi-turn rows (observations
@@ -212,6 +213,29 @@ def test_lora_scores_the_reference_with_the_adapter_off_and_syncs_the_adapter(tr
             scores = torch.tensor([r["score"] for r in group])
             expected = (scores - scores.mean()) / (scores.std() + 1e-6)
             assert [r["advantage"] for r in group] == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+# ---------------------------------------------------------- an agent program instead of the environment
+PROGRAM = ("rollout.agent.env=null", "rollout.agent.program=raygraph.agents.demo_program:run")
+
+
+@pytest.mark.slow
+def test_an_agent_program_trains_with_ppo_disaggregated_and_lora(train):
+    """configs/demo_program.yaml's program (the demo's task through an OpenAI client) under PPO with
+    a critic, the rollout on a rank of its own and LoRA adapters synced to it: the rows of every
+    episode carry the program's reward, and the policy's log-probs are the engine's."""
+    run = train("program_ppo", *PROGRAM, "workflow=ppo", "algorithm.advantage=gae", "algorithm.kl_in_reward.coef=0.01",
+                "placement.mode=disaggregated", "model.lora.rank=8", "model.lora.alpha=16")
+    for r in _steps(run):
+        assert r["rollout/logprob_diff_max"] < 1e-5 and r["critic/optimizer_steps"] >= 1
+        assert r["weights/bytes"] == r["weights/lora_sync_bytes"] < r["weights/full_bytes"]
+    for step in (1, 2):
+        records, episodes = _dump(run, step), 0
+        for r in records:
+            if r["conversation"][-1]["role"] == "program":   # an episode's last row (the others: split off)
+                episodes += 1
+                assert r["score"] == r["conversation"][-1]["reward"]
+        assert episodes == ROWS and len(records) >= ROWS
 
 
 # ------------------------------------------------------------- asynchronous, and resumed from step 1

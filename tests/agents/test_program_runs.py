@@ -57,6 +57,8 @@ def test_the_program_demo_trains_on_vllm_with_the_programs_rewards(tmp_path, mon
             scores = np.array([r["score"] for r in group])
             expected = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
             assert [r["advantage"] for r in group] == pytest.approx(expected.tolist(), abs=1e-4)
+        turns = [sum(m["role"] == "assistant" for m in r["conversation"]) for r in records]
+        assert metrics[step - 1]["agent/turns_mean"] == pytest.approx(np.mean(turns))   # per row
     assert {r["score"] for r in records} != {0.0}, "all-zero scores would prove nothing"
     print(f"episodes split into two rows: {split} of 64")
 
