@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import math
 import queue
@@ -172,7 +171,6 @@ class ProgramLoop:
         self.timed_out = 0               # episodes cut by program_timeout_s (all runs)
         self._episodes: list[_Run] = []
         self._queue: queue.Queue = queue.Queue()
-        self._keys = itertools.count()
 
     # ------------------------------------------------------------------------------ serving
     def _start(self) -> None:
@@ -271,7 +269,7 @@ class ProgramLoop:
         if refusal is not None:
             pending.reply.set_exception(RequestRefused(refusal))
             return
-        key = next(self._keys)
+        key = ep.index * self.budgets.max_turns + ep.asked   # the same whatever the arrival order (HF waves sort by it)
         seed = None if ep.seed is None else (ep.seed + _SEED_STRIDE * ep.asked) % (2**31 - 1)
         ep.asked += 1
         ep.in_engine += 1

@@ -238,6 +238,21 @@ def test_an_agent_program_trains_with_ppo_disaggregated_and_lora(train):
         assert episodes == ROWS and len(records) >= ROWS
 
 
+@pytest.mark.slow
+def test_an_agent_program_run_resumes_exactly(train):
+    """Every call is seeded from its episode and its number, and the HF engine's waves hold every
+    running episode's next call (sorted by episode): a resume from step 1 redoes step 2 exactly."""
+    saved = ("trainer.save_every=1", "checkpoint.keep_last=0", "trainer.warm_start.steps=20")
+    whole = train("program_whole", *PROGRAM, *saved)
+    resumed = train("program_resumed", *PROGRAM, *saved, f"trainer.resume={whole / 'checkpoints' / 'step_1'}")
+    (got,) = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    expected = _steps(whole)[1]
+    assert got["step"] == 2 and set(got) == set(expected)
+    assert {k: v for k, v in got.items() if not k.startswith(NOT_COMPARABLE)} == \
+        {k: v for k, v in expected.items() if not k.startswith(NOT_COMPARABLE)}
+    assert _dump(resumed, 2) == _dump(whole, 2)
+
+
 # ------------------------------------------------------------- asynchronous, and resumed from step 1
 ASYNC = ("placement.mode=disaggregated", "placement.max_staleness=1",
          "actor.old_logprobs=auto",   # the demo's `rollout` is refused with stale rollouts
