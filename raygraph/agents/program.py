@@ -219,6 +219,11 @@ class ProgramLoop:
                 for ep in self._episodes:
                     if ep.task is not None:
                         ep.task.cancel()
+        idle = [ep for ep in self._episodes if not ep.calls]
+        if idle:
+            log.warning("agent program %s: %d of %d episodes made no model call (first: uid %r); their rows have no "
+                        "token to train or to hold a reward, so they score 0", self.fn.__name__, len(idle),
+                        len(self._episodes), idle[0].row.get("uid"))
         return [self._rows(ep, prompts[ep.index]) for ep in self._episodes]
 
     def _rows(self, ep: _Run, prompt: list[int]) -> list[Episode]:

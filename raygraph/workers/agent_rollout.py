@@ -196,7 +196,7 @@ def no_episodes(rows: Batch, weight_version: int) -> Batch:
 
 def episode_rows(rows: Batch, episodes: Sequence[Episode], tokenizer, weight_version: int) -> Batch:
     """`rows` with the rollout columns of their episodes (see the module docstring)."""
-    width = max(len(ep.tokens) for ep in episodes)
+    width = max(1, *(len(ep.tokens) for ep in episodes))   # an agent program's episode may make no call
     shape = (len(episodes), width)
     responses = torch.full(shape, tokenizer.pad_token_id, dtype=torch.int64)
     mask, attention = torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64)

@@ -75,3 +75,8 @@ async def plain_http(row, client):
         served = await http.post(url, json=body, headers={"Authorization": f"Bearer {client.api_key}"})
     row["extra_info"]["statuses"] = (anonymous.status_code, served.status_code)
     return float(len(served.json()["raygraph"]["completion_token_ids"]))
+
+
+async def no_call(row, client):
+    """Never calls the model."""
+    return 3.0

@@ -299,3 +299,22 @@ def test_the_program_demo_config_has_no_problem():
     from raygraph.config.agent_checks import agent_problems
 
     assert agent_problems(load_config("configs/demo_program.yaml")) == []
+
+
+def test_an_episode_without_a_call_is_one_empty_row_scoring_zero(caplog):
+    import numpy as np
+    import torch
+
+    from raygraph.batch import RESPONSE_MASK, RESPONSES
+    from raygraph.workers.agent_rollout import episode_rows
+
+    with caplog.at_level("WARNING", logger="raygraph"):
+        episodes, engine, prompts, _ = run(program_loop("no_call"), n=2)
+    assert "2 of 2 episodes made no model call" in caplog.text and engine.made == []
+    assert [[(r.prompt, r.tokens, r.messages[-1]["reward"]) for r in parts] for parts in episodes] == \
+        [[(prompts[0], [], 3.0)], [(prompts[1], [], 3.0)]]
+    batch = Batch({PROMPT_IDS: torch.zeros((2, 3), dtype=torch.int64), PROMPT_MASK: torch.ones((2, 3), dtype=torch.int64)},
+                  {UID: np.array(["u0", "u1"], dtype=object)})
+    rows, flat = program_rows(batch, episodes, TOK)
+    out = episode_rows(rows, flat, TOK, weight_version=0)
+    assert out[RESPONSES].shape == (2, 1) and out[RESPONSE_MASK].sum() == 0   # a width the losses can take
