@@ -219,18 +219,26 @@ def test_lora_scores_the_reference_with_the_adapter_off_and_syncs_the_adapter(tr
 PROGRAM = ("rollout.agent.env=null", "rollout.agent.program=raygraph.agents.demo_program:run")
 
 
+PROGRAM_PPO = (*PROGRAM, "workflow=ppo", "algorithm.advantage=gae", "algorithm.kl_in_reward.coef=0.01",
+               "placement.mode=disaggregated", "model.lora.rank=8", "model.lora.alpha=16",
+               "trainer.save_every=1", "checkpoint.keep_last=0", NO_WARM_START)
+
+
+@pytest.fixture(scope="module")
+def program_run(train) -> Path:
+    return train("program_ppo", *PROGRAM_PPO)
+
+
 @pytest.mark.slow
-def test_an_agent_program_trains_with_ppo_disaggregated_and_lora(train):
+def test_an_agent_program_trains_with_ppo_disaggregated_and_lora(program_run):
     """configs/demo_program.yaml's program (the demo's task through an OpenAI client) under PPO with
     a critic, the rollout on a rank of its own and LoRA adapters synced to it: the rows of every
     episode carry the program's reward, and the policy's log-probs are the engine's."""
-    run = train("program_ppo", *PROGRAM, "workflow=ppo", "algorithm.advantage=gae", "algorithm.kl_in_reward.coef=0.01",
-                "placement.mode=disaggregated", "model.lora.rank=8", "model.lora.alpha=16")
-    for r in _steps(run):
+    for r in _steps(program_run):
         assert r["rollout/logprob_diff_max"] < 1e-5 and r["critic/optimizer_steps"] >= 1
         assert r["weights/bytes"] == r["weights/lora_sync_bytes"] < r["weights/full_bytes"]
     for step in (1, 2):
-        records, episodes = _dump(run, step), 0
+        records, episodes = _dump(program_run, step), 0
         for r in records:
             if r["conversation"][-1]["role"] == "program":   # an episode's last row (the others: split off)
                 episodes += 1
@@ -239,18 +247,16 @@ def test_an_agent_program_trains_with_ppo_disaggregated_and_lora(train):
 
 
 @pytest.mark.slow
-def test_an_agent_program_run_resumes_exactly(train):
+def test_an_agent_program_run_resumes_exactly(train, program_run):
     """Every call is seeded from its episode and its number, and the HF engine's waves hold every
     running episode's next call (sorted by episode): a resume from step 1 redoes step 2 exactly."""
-    saved = ("trainer.save_every=1", "checkpoint.keep_last=0", "trainer.warm_start.steps=20")
-    whole = train("program_whole", *PROGRAM, *saved)
-    resumed = train("program_resumed", *PROGRAM, *saved, f"trainer.resume={whole / 'checkpoints' / 'step_1'}")
+    resumed = train("program_resumed", *PROGRAM_PPO, f"trainer.resume={program_run / 'checkpoints' / 'step_1'}")
     (got,) = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    expected = _steps(whole)[1]
+    expected = _steps(program_run)[1]
     assert got["step"] == 2 and set(got) == set(expected)
     assert {k: v for k, v in got.items() if not k.startswith(NOT_COMPARABLE)} == \
         {k: v for k, v in expected.items() if not k.startswith(NOT_COMPARABLE)}
-    assert _dump(resumed, 2) == _dump(whole, 2)
+    assert _dump(resumed, 2) == _dump(program_run, 2)
 
 
 # ------------------------------------------------------------- asynchronous, and resumed from step 1
