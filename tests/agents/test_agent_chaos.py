@@ -52,6 +52,38 @@ class DieInStep2(RetryWithFeedbackEnv):
 '''
 
 
+DYING_PROGRAM = '''
+import os
+import signal
+from pathlib import Path
+
+from raygraph.agents.demo_program import run as demo_run
+
+LEDGER, MARKER = Path({ledger!r}), Path({marker!r})
+
+
+class _Dying:
+    """The client, except that the first second call after step 1 is in the ledger kills the
+    program's process (the rollout+reward actor), mid-episode."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, 0
+        self.chat = self
+        self.completions = self
+
+    async def create(self, **request):
+        self.calls += 1
+        if self.calls == 2 and not MARKER.exists() and LEDGER.is_file() and '"step": 1' in LEDGER.read_text():
+            MARKER.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await self.client.chat.completions.create(**request)
+
+
+async def run(row, client, kill: bool = False):
+    return await demo_run(row, _Dying(client) if kill else client)
+'''
+
+
 def _cfg(tmp_path: Path, model: str, env: Path, kill: bool, run_name: str, *extra: str):
     data = tmp_path / "data"
     return load_config(str(ROOT / "configs" / "demo_multiturn.yaml"), [
@@ -79,16 +111,19 @@ def uninterrupted(tmp_path_factory, tiny_model_path, ray_local):
     return tmp_path, _final_weights(run(_cfg(tmp_path, tiny_model_path, env, False, "reference")).run_dir)
 
 
-def _chaos_run(tmp_path: Path, model: str, run_name: str, *extra: str) -> Path:
-    """A run whose environment kills its own process in the second turn of an episode of step 2;
-    checks the recovery records and the ledger, and returns the run's folder."""
+def _chaos_run(tmp_path: Path, model: str, run_name: str, *extra: str, code: str = DYING_ENV) -> Path:
+    """A run whose environment (or agent program) kills its own process in the second turn of an
+    episode of step 2; checks the recovery records and the ledger, and returns the run's folder."""
     from raygraph.batch import UID
     from raygraph.run.feed import StepData
     from raygraph.run.trainer import run
 
     run_dir = tmp_path / "demo_multiturn" / run_name
     env, marker = tmp_path / f"{run_name}_env.py", tmp_path / f"{run_name}_killed"
-    env.write_text(DYING_ENV.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
+    env.write_text(code.format(ledger=str(run_dir / "ledger.jsonl"), marker=str(marker)))
+    if code is DYING_PROGRAM:
+        extra = ("rollout.agent.env=null", "rollout.agent.env_args={}", f"rollout.agent.program={env}:run",
+                 "rollout.agent.program_args={kill: true}", *extra)
     cfg = _cfg(tmp_path, model, env, True, run_name, *extra)
     summary = run(cfg)
     assert marker.is_file() and summary.steps_done == STEPS
@@ -120,3 +155,14 @@ def test_an_env_host_killed_mid_episode_restarts_its_rollout_rank_and_changes_no
     record = json.loads((run_dir / "recoveries.jsonl").read_text().splitlines()[0])
     assert "EnvHostDied" in json.dumps(record)
     assert _same_weights(run_dir, reference), "weights differ from the uninterrupted in-process run"
+
+
+@pytest.mark.slow
+def test_an_agent_program_killed_mid_episode_reruns_its_step_and_trains_as_the_environment(uninterrupted,
+                                                                                           tiny_model_path):
+    """The demo's task as an agent program whose second call in step 2 kills its rollout process:
+    the step is rerun from the same samples, and the final weights equal those of the environment
+    version never interrupted (same seeds per turn, same waves, same rows on the tiny template)."""
+    tmp_path, reference = uninterrupted
+    run_dir = _chaos_run(tmp_path, tiny_model_path, "program", code=DYING_PROGRAM)
+    assert _same_weights(run_dir, reference), "weights differ from the uninterrupted environment run"
