@@ -11,15 +11,23 @@ What a request may ask for, and what is refused (a 400 whose message says why):
   `rollout.agent.max_new_tokens` or the room left in `max_total_tokens`.
 * `temperature` and `top_p` are accepted when they are the run's own (`rollout.temperature`,
   `rollout.top_p`) or left out: a turn sampled otherwise would not be the distribution trained on.
+* `tools` (function schemas) go to the chat template (`tools=`), as `rollout.agent.tools`'
+  schemas do; the reply's tool calls are read with `rollout.agent.tool_parser` (hermes:
+  `<tool_call>{...}</tool_call>`) and returned as `tool_calls` (the blocks taken out of `content`),
+  `finish_reason` "tool_calls". Assistant messages with `tool_calls` and `tool` messages are passed
+  to the template as they come (JSON-string arguments as objects). `tool_choice` may be "auto" or
+  "none" (no calls are read); forcing a call would need constrained decoding.
 * Refused: `n` > 1 (send n requests, each is recorded), `stream`, `stop`, `seed` (the run seeds
   every turn for reproducibility), penalties, `logit_bias`, `top_k`, `min_p`, `top_logprobs` > 0,
-  `tools` / `functions` / `response_format` other than text (describe tools in the messages and
-  parse the answer in the program).
+  `tool_choice` "required" or a named function, legacy `functions`, a `response_format` other than
+  text (parse the answer in the program).
 * `logprobs` are always recorded; a request with `logprobs` gets the sampled tokens' log-probs.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,12 +41,11 @@ __all__ = ["TurnRequest", "parse_request", "response_body"]
 # key -> the value that changes nothing (None: any value given is refused)
 _REFUSED = {"n": 1, "stream": False, "stop": None, "seed": None, "presence_penalty": 0, "frequency_penalty": 0,
             "repetition_penalty": 1, "logit_bias": None, "top_k": -1, "min_p": 0, "top_logprobs": 0,
-            "best_of": 1, "tools": None, "tool_choice": "none", "functions": None, "function_call": "none",
+            "best_of": 1, "functions": None, "function_call": "none",
             "suffix": None}
 _WHY = {"n": "send n requests instead (each one is recorded)",
         "seed": "raygraph seeds every turn itself so that runs resume exactly",
-        "tools": "describe the tools in the messages and parse the model's answer in the program",
-        "functions": "describe the tools in the messages and parse the model's answer in the program",
+        "functions": "send tools= (function schemas) instead",
         "stream": "responses come whole"}
 
 
@@ -50,6 +57,7 @@ class TurnRequest:
     max_tokens: int | None    # what the client asked for (None: the run's budget)
     logprobs: bool            # the client wants the log-probs back
     model: str
+    tools: bool = False       # read tool calls from the reply (tools offered, tool_choice not "none")
 
 
 def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: dict,
@@ -57,8 +65,10 @@ def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: d
     """The token ids and budget of a request, or `RequestRefused` saying what it asks that the run
     cannot honour."""
     _check_sampling(body, temperature, top_p)
+    tools = _tools(body.get("tools"))
     if kind == "chat":
-        prompt = _chat_ids(body.get("messages"), tokenizer, chat_template_kwargs)
+        kwargs = {**chat_template_kwargs, **({"tools": tools} if tools else {})}
+        prompt = _chat_ids(body.get("messages"), tokenizer, kwargs)
         wants_logprobs = bool(body.get("logprobs"))
     else:
         prompt = _completion_ids(body.get("prompt"), tokenizer)
@@ -66,13 +76,24 @@ def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: d
     cap = body.get("max_completion_tokens", body.get("max_tokens"))
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise RequestRefused(f"max_tokens must be a positive integer, got {cap!r}")
-    return TurnRequest(kind, prompt, cap, wants_logprobs, str(body.get("model") or "policy"))
+    return TurnRequest(kind, prompt, cap, wants_logprobs, str(body.get("model") or "policy"),
+                       tools=bool(tools) and body.get("tool_choice") != "none")
+
+
+def _tools(tools: Any) -> list[dict]:
+    if not tools:
+        return []
+    if not isinstance(tools, list) or any(not isinstance(t, dict) or t.get("type") != "function"
+                                          or not isinstance(t.get("function"), dict) for t in tools):
+        raise RequestRefused("tools must be a list of {\"type\": \"function\", \"function\": {name, description, "
+                             "parameters}} objects")
+    return tools
 
 
 def _check_sampling(body: dict, temperature: float, top_p: float) -> None:
     for key, neutral in _REFUSED.items():
         value = body.get(key)
-        if value is None or value == neutral or (key in ("stop", "logit_bias", "tools", "functions") and not value):
+        if value is None or value == neutral or (key in ("stop", "logit_bias", "functions") and not value):
             continue
         raise RequestRefused(f"{key}={value!r} is not supported by raygraph's training endpoint: "
                              f"{_WHY.get(key, 'it would change the distribution that is trained on')}")
@@ -81,6 +102,9 @@ def _check_sampling(body: dict, temperature: float, top_p: float) -> None:
         if value is not None and abs(float(value) - run_value) > 1e-6:
             raise RequestRefused(f"{key}={value} differs from the run's ({run_value}, rollout.{key}): a turn "
                                  "sampled otherwise is not the distribution trained on; leave it out")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise RequestRefused(f"tool_choice={body['tool_choice']!r} is not supported: forcing a call needs constrained "
+                             "decoding, which changes the distribution trained on; use \"auto\"")
     form = body.get("response_format")
     if form is not None and form != {"type": "text"}:
         raise RequestRefused(f"response_format={form!r} is not supported (constrained decoding changes the "
@@ -101,12 +125,30 @@ def _chat_ids(messages: Any, tokenizer: Any, kwargs: dict) -> list[int]:
             content = "".join(p.get("text", "") for p in content)
         if content is not None and not isinstance(content, str):
             raise RequestRefused(f"messages[{i}].content must be text, got {type(content).__name__}")
-        plain.append({"role": m["role"], "content": content or ""})
+        message = {"role": m["role"], "content": content or ""}
+        if m.get("tool_calls"):
+            message["tool_calls"] = [_tool_call(c, i) for c in m["tool_calls"]]
+        message.update({k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None})
+        plain.append(message)
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template's own error, passed to the client
         raise RequestRefused(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _tool_call(call: Any, i: int) -> dict:
+    """An assistant message's tool call for the template: JSON-string arguments as an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestRefused(f"messages[{i}].tool_calls: each needs a function with a name, got {call!r}")
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise RequestRefused(f"messages[{i}].tool_calls: arguments are not JSON: {exc}") from exc
+    return {"type": "function", "id": call.get("id"), "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _completion_ids(prompt: Any, tokenizer: Any) -> list[int]:
@@ -120,13 +162,25 @@ def _completion_ids(prompt: Any, tokenizer: Any) -> list[int]:
     raise RequestRefused("prompt must be a non-empty string or a non-empty list of token ids (one prompt per request)")
 
 
+_HERMES_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
 def response_body(request: TurnRequest, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float],
-                  text: str, finish: str, tokenizer: Any) -> dict:
-    """The OpenAI-style response of one model turn; `raygraph` holds the exact token ids."""
+                  text: str, finish: str, tokenizer: Any, tool_calls: Sequence[Any] = ()) -> dict:
+    """The OpenAI-style response of one model turn; `raygraph` holds the exact token ids.
+    `tool_calls` are the reply's parsed calls (`raygraph.agents.tools.ToolCall`, none malformed)."""
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens), "total_tokens": len(prompt) + len(tokens)}
     pieces = [tokenizer.decode([t]) for t in tokens] if request.logprobs else []
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        content = _HERMES_BLOCK.sub("", text).strip()
+        message = {"role": "assistant", "content": content or None,
+                   "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                  for c in tool_calls]}
+        finish = "tool_calls"
     if request.kind == "chat":
-        choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text},
+        choice = {"index": 0, "finish_reason": finish, "message": message,
                   "logprobs": {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
                                            for p, lp in zip(pieces, logprobs)]} if request.logprobs else None}
         kind = "chat.completion"

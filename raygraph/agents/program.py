@@ -52,6 +52,7 @@ from raygraph.agents.env import EnvContractError
 from raygraph.agents.episode import AgentBudgets, Episode
 from raygraph.agents.loop import EnvFailed, TurnEngine
 from raygraph.agents.openai_requests import TurnRequest, parse_request, response_body
+from raygraph.agents.tools import tool_parser as tool_parser_fn
 from raygraph.algos.user_code import load_attribute
 
 __all__ = ["Call", "ProgramLoop", "calls_to_rows", "load_program", "program_problems"]
@@ -148,6 +149,7 @@ class ProgramLoop:
         program_args: keyword arguments of every call of the program.
         program_timeout_s: one episode's limit (None: none).
         temperature, top_p: the run's sampling (requests may repeat them, not change them).
+        tool_parser: how tool calls are read from a reply to a request that offered `tools`.
         chat_template_kwargs: extra variables of the chat template.
         host: the endpoint's address (None: the node's).
     """
@@ -155,7 +157,7 @@ class ProgramLoop:
     def __init__(self, *, tokenizer: Any, stop_token_ids: Sequence[int], budgets: AgentBudgets | Mapping[str, int],
                  program: str, program_args: Mapping[str, Any] | None = None, program_timeout_s: float | None = None,
                  temperature: float = 1.0, top_p: float = 1.0, chat_template_kwargs: dict | None = None,
-                 host: str | None = None, **_unused: Any) -> None:
+                 host: str | None = None, tool_parser: str = "hermes", **_unused: Any) -> None:
         self.fn = load_program(program)
         self.program_args = dict(program_args or {})
         if problems := program_problems(self.fn, self.program_args):
@@ -165,6 +167,7 @@ class ProgramLoop:
         self.timeout_s, self.temperature, self.top_p = program_timeout_s, temperature, top_p
         self.kwargs = dict(chat_template_kwargs or {})
         self.host = host
+        self.parse_tools = tool_parser_fn(tool_parser)
         self.endpoint: Endpoint | None = None
         self.events: asyncio.AbstractEventLoop | None = None
         self._tls = None                 # the TLS context every episode's client shares
@@ -185,8 +188,14 @@ class ProgramLoop:
         pending = _Pending(episode, request)
         self._queue.put(pending)
         call = pending.reply.result()
-        finish = "stop" if call.tokens and call.tokens[-1] in self.stop_token_ids else "length"
-        return response_body(request, call.prompt, call.tokens, call.logprobs, call.text, finish, self.tokenizer)
+        stopped = bool(call.tokens) and call.tokens[-1] in self.stop_token_ids
+        tool_calls = []
+        if request.tools:   # read as the agent loop reads them: the text with special tokens, less the stop token
+            found = self.parse_tools(self.tokenizer.decode(call.tokens[:-1] if stopped else call.tokens,
+                                                           skip_special_tokens=False))
+            tool_calls = [] if any(c.error for c in found) else found   # a malformed call stays text
+        return response_body(request, call.prompt, call.tokens, call.logprobs, call.text,
+                             "stop" if stopped else "length", self.tokenizer, tool_calls)
 
     # ------------------------------------------------------------------------------ running
     def run(self, engine: TurnEngine, prompts: Sequence[list[int]], rows: Sequence[dict],

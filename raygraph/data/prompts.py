@@ -189,7 +189,9 @@ class PromptDataset:
                     f"{n} tokens)")
             report_overlong(what, overlong, "raise max_prompt_length")
         if not self.rows:
-            raise ValueError(f"no prompts left in {sorted({p for p, _, _ in raw})}")
+            why = (f": every one is longer than max_prompt_length={max_prompt_length} tokens (first: "
+                   f"{overlong_at[0][2]} tokens); raise data.max_prompt_length") if overlong_at else ""
+            raise ValueError(f"no prompts left in {sorted({p for p, _, _ in raw})}{why}")
 
     def __len__(self) -> int:
         return len(self.rows)

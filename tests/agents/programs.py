@@ -80,3 +80,26 @@ async def plain_http(row, client):
 async def no_call(row, client):
     """Never calls the model."""
     return 3.0
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluates arithmetic.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+async def uses_a_tool(row, client):
+    """Offers the calculator; runs the call the model makes; asks again with its result."""
+    from raygraph.agents.calculator import calculator
+
+    messages = list(row["prompt"])
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+    message = reply.choices[0].message
+    row["extra_info"]["first"] = reply.model_dump()
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls or []:
+        import json
+
+        result = calculator(**json.loads(call.function.arguments))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+    return 1.0 if reply.choices[0].message.content.strip() == "5" else 0.0

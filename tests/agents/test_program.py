@@ -178,7 +178,8 @@ def test_the_context_budget_refuses_a_prompt_with_no_room():
 @pytest.mark.parametrize(("params", "served"), [
     ({"temperature": 0.7}, False), ({"temperature": 1.0, "top_p": 1.0}, True), ({"n": 2}, False),
     ({"stop": ["\n"]}, False), ({"seed": 3}, False), ({"max_tokens": 2}, True),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, False),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, True),
+    ({"functions": [{"name": "f"}]}, False),
     ({"response_format": {"type": "json_object"}}, False), ({"top_logprobs": 2, "logprobs": True}, False),
 ])
 def test_sampling_parameters_are_honoured_when_they_are_the_runs_else_refused(params, served):
@@ -320,3 +321,90 @@ def test_an_episode_without_a_call_is_one_empty_row_scoring_zero(caplog):
     rows, flat = program_rows(batch, episodes, TOK)
     out = episode_rows(rows, flat, TOK, weight_version=0)
     assert out[RESPONSES].shape == (2, 1) and out[RESPONSE_MASK].sum() == 0   # a width the losses can take
+
+
+TOOL_TEMPLATE = (   # Qwen2.5-like: tools in a system turn, calls as hermes blocks, results in a user turn
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}{{ '<|im_start|>assistant\\n' }}"
+    "{% for c in m.tool_calls %}{{ '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
+    "(c.function.arguments | tojson) + '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+class Replay:
+    """Answers the calls in order with fixed texts (canonical ids + the stop id), log-prob -0.5 each."""
+    lock_step = False
+
+    def __init__(self, tokenizer, texts, stop):
+        self.tokenizer, self.texts, self.stop, self.queue, self.made = tokenizer, list(texts), stop, [], []
+
+    def submit(self, key, prompt, max_tokens, seed):
+        self.queue.append((key, list(prompt)))
+
+    def pending(self):
+        return len(self.queue)
+
+    def abort(self):
+        self.queue = []
+
+    def poll(self):
+        out = []
+        for key, prompt in self.queue:
+            tokens = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.stop]
+            self.made.append({"prompt": prompt, "tokens": tokens})
+            out.append((key, tokens, [-0.5] * len(tokens)))
+        self.queue = []
+        return out
+
+
+@pytest.mark.slow   # the SmolLM2 import, the first time
+def test_tool_calls_are_returned_parsed_and_their_results_continue_the_row(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.chat_template = TOOL_TEMPLATE
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    engine = Replay(tok, [call, "5"], end)
+    budgets = AgentBudgets(max_turns=2, max_new_tokens=64, max_total_tokens=1024, max_message_tokens=64)
+    loop = program_loop("uses_a_tool", budgets=budgets, tokenizer=tok)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    row = {"prompt": messages, "reward_model": {"ground_truth": "5"}, "uid": "u", "extra_info": {}}
+    try:
+        (parts,) = loop.run(engine, [[0]], [row], [None])
+    finally:
+        loop.shutdown()
+    choice = row["extra_info"]["first"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (tool_call,) = choice["message"]["tool_calls"]
+    assert tool_call["function"] == {"name": "calculator", "arguments": '{"expression": "2+3"}'}
+    # the template renders the call as the model wrote it: the second call extends the row
+    (only,) = parts
+    first, second = engine.made
+    assert first["prompt"] == tok(tok.apply_chat_template(messages, tools=[programs_calculator()], tokenize=False,
+                                                          add_generation_prompt=True),
+                                  add_special_tokens=False)["input_ids"]
+    context = second["prompt"][len(first["prompt"]) + len(first["tokens"]):]
+    assert tok.decode(context) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
+                                  "<|im_start|>assistant\n"
+    assert only.tokens == first["tokens"] + context + second["tokens"] and only.rewards[-1] == 1.0
+    assert only.mask == [1] * len(first["tokens"]) + [0] * len(context) + [1] * len(second["tokens"])
+
+
+def programs_calculator() -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("programs_for_schema", PROGRAMS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CALCULATOR
+
+
+def test_tool_choice_that_forces_a_call_is_refused():
+    episodes, engine, _, rows = run(program_loop("asks_for", program_args={"tool_choice": "required"}), n=1)
+    assert engine.made == [] and "tool_choice='required' is not supported" in rows[0]["extra_info"]["error"]

@@ -72,6 +72,13 @@ def test_overlong_error_policy(tmp_path, char_tokenizer):
         PromptDataset(path, char_tokenizer, max_prompt_length=20, overlong="error")
 
 
+def test_a_file_whose_every_prompt_is_dropped_says_why(tmp_path, char_tokenizer):
+    path = write_rows([_row("x" * 50), _row("y" * 60)], tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match="no prompts left .*every one is longer than max_prompt_length=20 tokens"
+                                         ".*raise data.max_prompt_length"):
+        PromptDataset(path, char_tokenizer, max_prompt_length=20)
+
+
 def test_several_files_are_concatenated(tmp_path, char_tokenizer):
     a = write_rows([_row("1+1=")], tmp_path / "a.parquet")
     b = write_rows([_row("2+2="), _row("3+3=")], tmp_path / "b.parquet")
