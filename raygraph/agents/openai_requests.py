@@ -58,6 +58,7 @@ class TurnRequest:
     logprobs: bool            # the client wants the log-probs back
     model: str
     tools: bool = False       # read tool calls from the reply (tools offered, tool_choice not "none")
+    from_text: bool = True    # the prompt was text (messages or a string), not token ids
 
 
 def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: dict,
@@ -77,7 +78,8 @@ def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: d
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise RequestRefused(f"max_tokens must be a positive integer, got {cap!r}")
     return TurnRequest(kind, prompt, cap, wants_logprobs, str(body.get("model") or "policy"),
-                       tools=bool(tools) and body.get("tool_choice") != "none")
+                       tools=bool(tools) and body.get("tool_choice") != "none",
+                       from_text=kind == "chat" or isinstance(body.get("prompt"), str))
 
 
 def _tools(tools: Any) -> list[dict]:

@@ -12,6 +12,9 @@ too). Every request is one model turn: its exact prompt ids, completion ids and 
 recorded (`Call`), and when the program returns, the episode's calls become batch rows
 (`calls_to_rows`):
 
+* A call sent as text whose prompt text starts with the text of the episode's latest call (prompt
+  and completion) is served with that call's own ids, then the rest of the text tokenized on its
+  own (`_own_tokens`): the model's turns are never re-tokenized from their text.
 * A call whose prompt starts with the whole previous row (its prompt, then every token after it)
   extends that row: the new part of the prompt is appended with mask 0, the completion with mask 1.
   The test is on token ids, never on text; so a chat template that rewrites history (drops past
@@ -96,6 +99,8 @@ class _Run:
     calls: list[Call] = field(default_factory=list)
     asked: int = 0                 # calls accepted (their turns may still be generating)
     in_engine: int = 0             # calls accepted and not answered yet
+    last_ids: list[int] | None = None   # the latest answered call: its prompt and completion ids, and their text
+    last_text: str = ""
     reward: float = 0.0
     extras: dict = field(default_factory=dict)
     truncation: str = "none"
@@ -279,6 +284,7 @@ class ProgramLoop:
         if ep is None or ep.done:
             pending.reply.set_exception(RequestRefused("this episode is over", status=410))
             return
+        self._own_tokens(ep, pending.request)
         refusal, room = self._room(ep, pending.request)
         if refusal is not None:
             pending.reply.set_exception(RequestRefused(refusal))
@@ -290,6 +296,17 @@ class ProgramLoop:
         pending.max_tokens = room
         waiting[key] = pending
         engine.submit(key, pending.request.prompt, room, seed)
+
+    def _own_tokens(self, ep: _Run, request: TurnRequest) -> None:
+        """A text request whose prompt, as text, extends the episode's latest call (its prompt and
+        completion) is served with that call's own ids, then the rest of the text tokenized on its
+        own: a model turn tokenized otherwise than its text re-tokenizes still extends its row."""
+        if not request.from_text or ep.last_ids is None or request.prompt[:len(ep.last_ids)] == ep.last_ids:
+            return
+        text = self.tokenizer.decode(request.prompt, skip_special_tokens=False)
+        if text.startswith(ep.last_text):
+            rest = text[len(ep.last_text):]
+            request.prompt = ep.last_ids + (self.tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else [])
 
     def _room(self, ep: _Run, request: TurnRequest) -> tuple[str | None, int]:
         """Why the request is over a budget (and the truncation it sets), or the tokens it may take."""
@@ -312,6 +329,8 @@ class ProgramLoop:
                     self.tokenizer.decode(body, skip_special_tokens=True))
         if not ep.done:
             ep.calls.append(call)
+            ep.last_ids = call.prompt + call.tokens
+            ep.last_text = self.tokenizer.decode(ep.last_ids, skip_special_tokens=False)
             stopped = bool(tokens) and tokens[-1] in self.stop_token_ids
             if not stopped:   # the latest call was cut: by what was left of the context, or by its own budget
                 ep.truncation = "context" if pending.max_tokens < self.budgets.max_new_tokens and \

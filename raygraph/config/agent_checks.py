@@ -68,6 +68,10 @@ def _program_problems(cfg) -> list[str]:
         problems += program_problems(load_program(agent.program), agent.program_args)
     except UserCodeError as exc:
         problems.append(f"rollout.agent.program: {exc}")
+    try:
+        tool_parser(agent.tool_parser)   # reads the tool calls of replies to requests that offer tools
+    except UserCodeError as exc:
+        problems.append(f"rollout.agent.tool_parser: {exc}")
     return problems
 
 

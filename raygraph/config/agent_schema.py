@@ -38,8 +38,9 @@ class AgentConfig(Section):
     tools: list[str] = Field(default_factory=list, description="Tools the model may call: python_exec (sandboxed, "
                              "raygraph.agents.sandbox) or my_tools.py:fn (typed, with a docstring); their schemas go to "
                              "the chat template (tools=).")
-    tool_parser: str = Field("hermes", description="How tool calls are read from a turn: hermes "
-                                                   "(<tool_call>{json}</tool_call>) or my_parser.py:parse.")
+    tool_parser: str = Field("hermes", description="How tool calls are read from a turn (and from an agent "
+                             "program's replies to requests with tools=): hermes (<tool_call>{json}</tool_call>) "
+                             "or my_parser.py:parse.")
     tool_role: str = Field("tool", description="Chat role of tool results (a template without a tool role: user).")
     max_turns: int = Field(4, ge=1, description="Model turns per episode at most (truncation 'turns').")
     max_new_tokens: int | None = Field(None, ge=1, description="Tokens per model turn; null = rollout.max_new_tokens.")

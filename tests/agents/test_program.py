@@ -287,6 +287,7 @@ PROGRAM = ["rollout.agent.env=null", "rollout.agent.program=raygraph.agents.demo
     (PROGRAM + ["rollout.agent.program_args={retry_rewrd: 1}"], "does not take program_args ['retry_rewrd']"),
     (["rollout.agent.env=null", f"rollout.agent.program={PROGRAMS}:nope"], "no agent program (an async def"),
     (["rollout.agent.program_timeout_s=3"], "no rollout.agent.program to take it"),
+    (PROGRAM + ["rollout.agent.tool_parser=hermess"], "rollout.agent.tool_parser: unknown tool parser 'hermess'"),
 ])
 def test_the_config_checks_the_program(overrides, problem):
     from raygraph.config import load_config
@@ -408,3 +409,44 @@ def programs_calculator() -> dict:
 def test_tool_choice_that_forces_a_call_is_refused():
     episodes, engine, _, rows = run(program_loop("asks_for", program_args={"tool_choice": "required"}), n=1)
     assert engine.made == [] and "tool_choice='required' is not supported" in rows[0]["extra_info"]["error"]
+
+
+class ReplayIds(Replay):
+    """Answers the calls in order with fixed token ids."""
+
+    def poll(self):
+        out = []
+        for key, prompt in self.queue:
+            tokens = self.texts.pop(0)
+            self.made.append({"prompt": prompt, "tokens": tokens})
+            out.append((key, tokens, [-0.5] * len(tokens)))
+        self.queue = []
+        return out
+
+
+@pytest.mark.slow   # the SmolLM2 import, the first time
+def test_a_turn_tokenized_otherwise_than_its_text_still_extends_its_row(smollm2_path):
+    """SmolLM2 answers with its text spelled one id per character (not what tokenizing the text
+    gives): the next call, whose messages repeat that text, is served with the model's own ids and
+    extends the row instead of splitting it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    odd = [tok.convert_tokens_to_ids(c if c != " " else "Ġ") for c in "It is 13."] + [end]
+    engine = ReplayIds(tok, [odd, [tok.convert_tokens_to_ids("5"), end]], end)
+    budgets = AgentBudgets(max_turns=2, max_new_tokens=16, max_total_tokens=512, max_message_tokens=64)
+    loop = program_loop("two_turns", budgets=budgets, tokenizer=tok)
+    row = {"prompt": [{"role": "user", "content": "13?"}], "reward_model": {"ground_truth": "13"}, "uid": "u",
+           "extra_info": {}}
+    try:
+        (parts,) = loop.run(engine, [[0]], [row], [None])
+    finally:
+        loop.shutdown()
+    first, second = engine.made
+    assert second["prompt"][:len(first["prompt"]) + len(odd)] == first["prompt"] + odd   # the model's own ids
+    (only,) = parts
+    context = second["prompt"][len(first["prompt"]) + len(odd):]
+    assert tok.decode(context) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    assert only.tokens == odd + context + second["tokens"]
+    assert only.mask == [1] * len(odd) + [0] * len(context) + [1] * len(second["tokens"])
