@@ -27,6 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from raygraph.errors import RaygraphError
 
@@ -57,23 +58,24 @@ class Endpoint:
     """The HTTP server of one rollout rank; it runs until `close`.
 
     Args:
-        on_request: `(episode, kind, body) -> response body`; kind is "chat" or "completion".
+        on_request: `(episode, kind, body) -> response body`; kind is "chat" or "completion";
+            episode is what `open_episode` was given.
         model_name: the name `GET /v1/models` reports (clients may send any `model`).
         host: the address to bind (None: `node_address()`).
     """
 
-    def __init__(self, on_request: Callable[[int, str, dict], dict], model_name: str = "policy",
+    def __init__(self, on_request: Callable[[Any, str, dict], dict], model_name: str = "policy",
                  host: str | None = None) -> None:
         self.on_request, self.model_name = on_request, model_name
         self.key = secrets.token_urlsafe(24)   # the run's secret: the clients' api_key
-        self._episodes: dict[str, int] = {}
+        self._episodes: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.server = _Server((host or node_address(), 0), _handler(self))
         self.host, self.port = self.server.server_address[:2]
         self._thread = threading.Thread(target=self.server.serve_forever, name="raygraph-endpoint", daemon=True)
         self._thread.start()
 
-    def open_episode(self, episode: int) -> str:
+    def open_episode(self, episode: Any) -> str:
         """The base URL of a new episode's requests (`.../<episode key>/v1`)."""
         token = secrets.token_urlsafe(12)
         with self._lock:
@@ -85,7 +87,7 @@ class Endpoint:
         with self._lock:
             self._episodes.clear()
 
-    def episode_of(self, token: str) -> int | None:
+    def episode_of(self, token: str) -> Any:
         with self._lock:
             return self._episodes.get(token)
 
@@ -124,7 +126,7 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
         def _error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
             self._reply(status, {"error": {"message": message, "type": kind, "code": status}})
 
-        def _route(self) -> tuple[int, str] | None:
+        def _route(self) -> tuple[Any, str] | None:
             """The request's episode and route, or None after replying with the error."""
             if not endpoint.authorized(self.headers.get("Authorization")):
                 self._error(401, "missing or wrong API key: use the api_key of the client raygraph gave the "

@@ -112,7 +112,7 @@ class _Run:
 @dataclass
 class _Pending:
     """A request waiting for the driver (`ProgramLoop.run`'s thread)."""
-    episode: int
+    episode: tuple[int, int]       # (run, index)
     request: TurnRequest
     reply: Future = field(default_factory=Future)
     max_tokens: int = 0
@@ -179,6 +179,8 @@ class ProgramLoop:
         self.timed_out = 0               # episodes cut by program_timeout_s (all runs)
         self._episodes: list[_Run] = []
         self._queue: queue.Queue = queue.Queue()
+        self._tokenizer_lock = threading.Lock()
+        self._run_id = 0                 # which run's episodes the endpoint's URLs belong to
 
     # ------------------------------------------------------------------------------ serving
     def _start(self) -> None:
@@ -187,20 +189,23 @@ class ProgramLoop:
             threading.Thread(target=self.events.run_forever, name="raygraph-programs", daemon=True).start()
             self.endpoint = Endpoint(self._on_request, host=self.host)
 
-    def _on_request(self, episode: int, kind: str, body: dict) -> dict:
-        """An endpoint thread: parse, hand to the driver, wait for the turn."""
-        request = parse_request(kind, body, self.tokenizer, self.kwargs, self.temperature, self.top_p)
+    def _on_request(self, episode: tuple[int, int], kind: str, body: dict) -> dict:
+        """An endpoint thread: parse, hand to the driver, wait for the turn. `episode` is
+        (the run it belongs to, its index): a request of an earlier run is never served in a later one."""
+        with self._tokenizer_lock:   # one user at a time: a fast tokenizer is not safe across threads
+            request = parse_request(kind, body, self.tokenizer, self.kwargs, self.temperature, self.top_p)
         pending = _Pending(episode, request)
         self._queue.put(pending)
         call = pending.reply.result()
         stopped = bool(call.tokens) and call.tokens[-1] in self.stop_token_ids
         tool_calls = []
-        if request.tools:   # read as the agent loop reads them: the text with special tokens, less the stop token
-            found = self.parse_tools(self.tokenizer.decode(call.tokens[:-1] if stopped else call.tokens,
-                                                           skip_special_tokens=False))
-            tool_calls = [] if any(c.error for c in found) else found   # a malformed call stays text
-        return response_body(request, call.prompt, call.tokens, call.logprobs, call.text,
-                             "stop" if stopped else "length", self.tokenizer, tool_calls)
+        with self._tokenizer_lock:
+            if request.tools:   # read as the agent loop reads them: the text with special tokens, less the stop token
+                found = self.parse_tools(self.tokenizer.decode(call.tokens[:-1] if stopped else call.tokens,
+                                                               skip_special_tokens=False))
+                tool_calls = [] if any(c.error for c in found) else found   # a malformed call stays text
+            return response_body(request, call.prompt, call.tokens, call.logprobs, call.text,
+                                 "stop" if stopped else "length", self.tokenizer, tool_calls)
 
     # ------------------------------------------------------------------------------ running
     def run(self, engine: TurnEngine, prompts: Sequence[list[int]], rows: Sequence[dict],
@@ -209,6 +214,7 @@ class ProgramLoop:
         if more is not None:
             raise ValueError("rollout.agent.program runs with rollout.agent.dispatch=even")
         self._start()
+        self._run_id += 1
         self._episodes = [_Run(i, dict(row), seed) for i, (row, seed) in enumerate(zip(rows, seeds, strict=True))]
         waiting: dict[int, _Pending] = {}   # engine key -> request
         finished = False
@@ -238,7 +244,8 @@ class ProgramLoop:
             log.warning("agent program %s: %d of %d episodes made no model call (first: uid %r); their rows have no "
                         "token to train or to hold a reward, so they score 0", self.fn.__name__, len(idle),
                         len(self._episodes), idle[0].row.get("uid"))
-        return [self._rows(ep, prompts[ep.index]) for ep in self._episodes]
+        with self._tokenizer_lock:
+            return [self._rows(ep, prompts[ep.index]) for ep in self._episodes]
 
     def _rows(self, ep: _Run, prompt: list[int]) -> list[Episode]:
         rows = calls_to_rows(ep.calls, list(prompt), ep.row.get("uid"), ep.reward, ep.truncation, self.tokenizer)
@@ -248,7 +255,7 @@ class ProgramLoop:
         return rows
 
     def _launch(self, ep: _Run) -> None:
-        url = self.endpoint.open_episode(ep.index)
+        url = self.endpoint.open_episode((self._run_id, ep.index))
         ep.started = time.monotonic()
         ep.task = asyncio.run_coroutine_threadsafe(self._episode(ep, url), self.events)
         ep.task.add_done_callback(lambda _: self._queue.put(None))   # wake the driver
@@ -280,11 +287,13 @@ class ProgramLoop:
                 return
 
     def _submit(self, engine: TurnEngine, waiting: dict, pending: _Pending) -> None:
-        ep = self._episodes[pending.episode] if pending.episode < len(self._episodes) else None
+        run_id, index = pending.episode
+        ep = self._episodes[index] if run_id == self._run_id else None
         if ep is None or ep.done:
             pending.reply.set_exception(RequestRefused("this episode is over", status=410))
             return
-        self._own_tokens(ep, pending.request)
+        with self._tokenizer_lock:
+            self._own_tokens(ep, pending.request)
         refusal, room = self._room(ep, pending.request)
         if refusal is not None:
             pending.reply.set_exception(RequestRefused(refusal))
@@ -322,15 +331,16 @@ class ProgramLoop:
         return None, room
 
     def _answer(self, pending: _Pending, tokens: list[int], logprobs: list[float]) -> None:
-        ep = self._episodes[pending.episode]
+        ep = self._episodes[pending.episode[1]]
         ep.in_engine -= 1
         body = tokens[:-1] if tokens and tokens[-1] in self.stop_token_ids else tokens
-        call = Call(list(pending.request.prompt), list(tokens), list(logprobs),
-                    self.tokenizer.decode(body, skip_special_tokens=True))
+        with self._tokenizer_lock:
+            call = Call(list(pending.request.prompt), list(tokens), list(logprobs),
+                        self.tokenizer.decode(body, skip_special_tokens=True))
+            last_text = self.tokenizer.decode(call.prompt + call.tokens, skip_special_tokens=False)
         if not ep.done:
             ep.calls.append(call)
-            ep.last_ids = call.prompt + call.tokens
-            ep.last_text = self.tokenizer.decode(ep.last_ids, skip_special_tokens=False)
+            ep.last_ids, ep.last_text = call.prompt + call.tokens, last_text
             stopped = bool(tokens) and tokens[-1] in self.stop_token_ids
             if not stopped:   # the latest call was cut: by what was left of the context, or by its own budget
                 ep.truncation = "context" if pending.max_tokens < self.budgets.max_new_tokens and \

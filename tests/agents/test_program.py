@@ -450,3 +450,20 @@ def test_a_turn_tokenized_otherwise_than_its_text_still_extends_its_row(smollm2_
     assert tok.decode(context) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
     assert only.tokens == odd + context + second["tokens"]
     assert only.mask == [1] * len(odd) + [0] * len(context) + [1] * len(second["tokens"])
+
+
+def test_a_request_of_an_earlier_run_is_never_served_in_a_later_one():
+    """A request that reached the queue after its run ended (its URL was still open for a moment)
+    names its run: the next run answers it 410 instead of serving it as one of its own episodes."""
+    from raygraph.agents.openai_requests import TurnRequest
+    from raygraph.agents.program import _Pending, _Run
+
+    loop = program_loop("two_turns")
+    loop._run_id = 2
+    loop._episodes = [_Run(0, {}, None)]
+    engine, late = EchoEngine(), _Pending((1, 0), TurnRequest("chat", ids("x"), None, False, "policy"))
+    loop._submit(engine, {}, late)
+    with pytest.raises(Exception, match="this episode is over") as caught:
+        late.reply.result(timeout=1)
+    assert caught.value.status == 410 and engine.queue == []
+    loop.shutdown()
