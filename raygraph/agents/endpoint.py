@@ -150,9 +150,13 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                                                           "owned_by": "raygraph"}]})
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                self._error(413, f"request body over {MAX_BODY_BYTES} bytes")
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.close_connection = True   # the body is not read: the connection cannot carry another request
+                self._error(413 if length > 0 else 400, f"Content-Length must be 0..{MAX_BODY_BYTES} bytes")
                 return
             raw = self.rfile.read(length)
             if (route := self._route()) is None:

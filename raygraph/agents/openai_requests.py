@@ -58,7 +58,7 @@ class TurnRequest:
     logprobs: bool            # the client wants the log-probs back
     model: str
     tools: bool = False       # read tool calls from the reply (tools offered, tool_choice not "none")
-    from_text: bool = True    # the prompt was text (messages or a string), not token ids
+    text: str | None = None   # the prompt as text (rendered messages, or the string); None: sent as ids
 
 
 def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: dict,
@@ -69,17 +69,17 @@ def parse_request(kind: str, body: dict, tokenizer: Any, chat_template_kwargs: d
     tools = _tools(body.get("tools"))
     if kind == "chat":
         kwargs = {**chat_template_kwargs, **({"tools": tools} if tools else {})}
-        prompt = _chat_ids(body.get("messages"), tokenizer, kwargs)
+        text, prompt = _chat_ids(body.get("messages"), tokenizer, kwargs)
         wants_logprobs = bool(body.get("logprobs"))
     else:
-        prompt = _completion_ids(body.get("prompt"), tokenizer)
+        text, prompt = _completion_ids(body.get("prompt"), tokenizer)
         wants_logprobs = body.get("logprobs") is not None
     cap = body.get("max_completion_tokens", body.get("max_tokens"))
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise RequestRefused(f"max_tokens must be a positive integer, got {cap!r}")
     return TurnRequest(kind, prompt, cap, wants_logprobs, str(body.get("model") or "policy"),
                        tools=bool(tools) and body.get("tool_choice") != "none",
-                       from_text=kind == "chat" or isinstance(body.get("prompt"), str))
+                       text=text)
 
 
 def _tools(tools: Any) -> list[dict]:
@@ -101,6 +101,8 @@ def _check_sampling(body: dict, temperature: float, top_p: float) -> None:
                              f"{_WHY.get(key, 'it would change the distribution that is trained on')}")
     for key, run_value in (("temperature", temperature), ("top_p", top_p)):
         value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RequestRefused(f"{key} must be a number, got {value!r}")
         if value is not None and abs(float(value) - run_value) > 1e-6:
             raise RequestRefused(f"{key}={value} differs from the run's ({run_value}, rollout.{key}): a turn "
                                  "sampled otherwise is not the distribution trained on; leave it out")
@@ -113,7 +115,7 @@ def _check_sampling(body: dict, temperature: float, top_p: float) -> None:
                              "distribution trained on): parse the answer in the program")
 
 
-def _chat_ids(messages: Any, tokenizer: Any, kwargs: dict) -> list[int]:
+def _chat_ids(messages: Any, tokenizer: Any, kwargs: dict) -> tuple[str, list[int]]:
     if not isinstance(messages, list) or not messages:
         raise RequestRefused("messages must be a non-empty list of {role, content} objects")
     plain = []
@@ -136,7 +138,7 @@ def _chat_ids(messages: Any, tokenizer: Any, kwargs: dict) -> list[int]:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template's own error, passed to the client
         raise RequestRefused(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _tool_call(call: Any, i: int) -> dict:
@@ -153,14 +155,18 @@ def _tool_call(call: Any, i: int) -> dict:
     return {"type": "function", "id": call.get("id"), "function": {"name": function["name"], "arguments": arguments}}
 
 
-def _completion_ids(prompt: Any, tokenizer: Any) -> list[int]:
+def _completion_ids(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str) and prompt:
-        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        plain = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        added = len(ids) - len(plain)   # the text the ids stand for: the string after what the tokenizer prepends
+        text = tokenizer.decode(ids[:added], skip_special_tokens=False) + prompt if ids[added:] == plain else None
+        return text, ids
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = len(tokenizer)
         if not all(0 <= t < vocab for t in prompt):
             raise RequestRefused(f"prompt token ids must lie in [0, {vocab})")
-        return list(prompt)
+        return None, list(prompt)
     raise RequestRefused("prompt must be a non-empty string or a non-empty list of token ids (one prompt per request)")
 
 

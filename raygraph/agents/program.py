@@ -38,6 +38,7 @@ loop: code that blocks (not `await`) holds up every episode of the rank, so run 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import math
@@ -101,6 +102,7 @@ class _Run:
     in_engine: int = 0             # calls accepted and not answered yet
     last_ids: list[int] | None = None   # the latest answered call: its prompt and completion ids, and their text
     last_text: str = ""
+    refused: bool = False          # a call was refused for a budget (the truncation says which)
     reward: float = 0.0
     extras: dict = field(default_factory=dict)
     truncation: str = "none"
@@ -215,7 +217,7 @@ class ProgramLoop:
             raise ValueError("rollout.agent.program runs with rollout.agent.dispatch=even")
         self._start()
         self._run_id += 1
-        self._episodes = [_Run(i, dict(row), seed) for i, (row, seed) in enumerate(zip(rows, seeds, strict=True))]
+        self._episodes = [_Run(i, copy.deepcopy(dict(row)), seed) for i, (row, seed) in enumerate(zip(rows, seeds, strict=True))]
         waiting: dict[int, _Pending] = {}   # engine key -> request
         finished = False
         try:
@@ -232,9 +234,10 @@ class ProgramLoop:
         finally:
             if engine.pending():
                 engine.abort()   # turns of episodes already over (cut, or a program that did not await them)
-            for pending in waiting.values():
-                pending.reply.set_exception(RequestRefused("the rollout is over", status=410))
             self.endpoint.close_episodes()
+            for pending in [*waiting.values(), *self._drain()]:
+                if not pending.reply.done():
+                    pending.reply.set_exception(RequestRefused("the rollout is over", status=410))
             if not finished:
                 for ep in self._episodes:
                     if ep.task is not None:
@@ -267,7 +270,8 @@ class ProgramLoop:
         if self._tls is None:   # a client's default TLS context costs ~25 ms to build; the endpoint is plain HTTP
             self._tls = ssl.create_default_context()
         # one connection pool per episode: a shared one is searched per request (slow with hundreds of episodes)
-        async with httpx.AsyncClient(verify=self._tls, timeout=self.timeout_s or 3600.0) as http:
+        # no read timeout: a turn may wait behind a long wave; program_timeout_s bounds the episode
+        async with httpx.AsyncClient(verify=self._tls, timeout=None) as http:
             client = AsyncOpenAI(base_url=url, api_key=self.endpoint.key, max_retries=0, http_client=http)
             return await self.fn(ep.row, client, **self.program_args)
 
@@ -286,7 +290,26 @@ class ProgramLoop:
             except queue.Empty:
                 return
 
+    def _drain(self) -> list[_Pending]:
+        """The requests still queued (a cancelled program's last call, a call nothing awaited)."""
+        left = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return left
+            if item is not None:
+                left.append(item)
+
     def _submit(self, engine: TurnEngine, waiting: dict, pending: _Pending) -> None:
+        try:
+            self._submit_one(engine, waiting, pending)
+        except BaseException as exc:
+            if not pending.reply.done():   # its handler thread must not wait forever
+                pending.reply.set_exception(RequestRefused(f"{type(exc).__name__}: {exc}", status=500))
+            raise
+
+    def _submit_one(self, engine: TurnEngine, waiting: dict, pending: _Pending) -> None:
         run_id, index = pending.episode
         ep = self._episodes[index] if run_id == self._run_id else None
         if ep is None or ep.done:
@@ -310,9 +333,9 @@ class ProgramLoop:
         """A text request whose prompt, as text, extends the episode's latest call (its prompt and
         completion) is served with that call's own ids, then the rest of the text tokenized on its
         own: a model turn tokenized otherwise than its text re-tokenizes still extends its row."""
-        if not request.from_text or ep.last_ids is None or request.prompt[:len(ep.last_ids)] == ep.last_ids:
+        if request.text is None or ep.last_ids is None or request.prompt[:len(ep.last_ids)] == ep.last_ids:
             return
-        text = self.tokenizer.decode(request.prompt, skip_special_tokens=False)
+        text = request.text   # as rendered, not decoded back from ids (a decode may clean spaces up)
         if text.startswith(ep.last_text):
             rest = text[len(ep.last_text):]
             request.prompt = ep.last_ids + (self.tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else [])
@@ -321,11 +344,11 @@ class ProgramLoop:
         """Why the request is over a budget (and the truncation it sets), or the tokens it may take."""
         b = self.budgets
         if ep.asked >= b.max_turns:
-            ep.truncation = "turns"
+            ep.truncation, ep.refused = "turns", True
             return f"this episode has made its rollout.agent.max_turns={b.max_turns} calls", 0
         room = min(b.max_new_tokens, b.max_total_tokens - len(request.prompt), request.max_tokens or b.max_new_tokens)
         if room < 1:
-            ep.truncation = "context"
+            ep.truncation, ep.refused = "context", True
             return (f"the prompt has {len(request.prompt)} tokens: no room for a completion within "
                     f"rollout.agent.max_total_tokens={b.max_total_tokens}"), 0
         return None, room
@@ -337,7 +360,8 @@ class ProgramLoop:
         with self._tokenizer_lock:
             call = Call(list(pending.request.prompt), list(tokens), list(logprobs),
                         self.tokenizer.decode(body, skip_special_tokens=True))
-            last_text = self.tokenizer.decode(call.prompt + call.tokens, skip_special_tokens=False)
+            last_text = self.tokenizer.decode(call.prompt + call.tokens, skip_special_tokens=False,
+                                              clean_up_tokenization_spaces=False)
         if not ep.done:
             ep.calls.append(call)
             ep.last_ids, ep.last_text = call.prompt + call.tokens, last_text
@@ -354,21 +378,30 @@ class ProgramLoop:
         for ep in self._episodes:
             if ep.done:
                 continue
-            if ep.task.done():
+            late = self.timeout_s is not None and now - ep.started > self.timeout_s
+            if ep.task.done() and not (late and ep.task.exception() is not None):
                 self._finish(ep)
-            elif self.timeout_s is not None and now - ep.started > self.timeout_s:
+            elif late:   # (a program that failed past its deadline, as its time ran out, is cut, not failed)
                 ep.task.cancel()
                 ep.done, ep.truncation, ep.reward = True, "env_timeout", 0.0
                 self.timed_out += 1
 
     def _finish(self, ep: _Run) -> None:
         ep.done = True
+        where = f"episode {ep.index} (uid {ep.row.get('uid')!r}) after {len(ep.calls)} calls"
         try:
             result = ep.task.result()
         except Exception as exc:  # noqa: BLE001 - the user's program: name it and the episode
-            raise EnvFailed(f"agent program {self.fn.__name__} raised in episode {ep.index} (uid "
-                            f"{ep.row.get('uid')!r}) after {len(ep.calls)} calls: {type(exc).__name__}: {exc}") from exc
-        ep.reward, ep.extras = _reward_of(result, self.fn.__name__)
+            if ep.refused:   # it did not catch a budget's 400: the episode ends as truncated, not the step
+                log.warning("agent program %s raised in %s after a call past its budget (%s): %s: %s; the episode "
+                            "scores 0", self.fn.__name__, where, ep.truncation, type(exc).__name__, exc)
+                ep.reward = 0.0
+                return
+            raise EnvFailed(f"agent program {self.fn.__name__} raised in {where}: {type(exc).__name__}: {exc}") from exc
+        try:
+            ep.reward, ep.extras = _reward_of(result, self.fn.__name__)
+        except EnvContractError as exc:
+            raise EnvContractError(f"{exc} (in {where})") from None
 
     def _wave_ready(self) -> bool:
         """A lock-step engine's wave starts when every running episode waits for a model turn."""

@@ -31,8 +31,7 @@ async def asks_for(row, client, **params):
     try:
         await client.chat.completions.create(model="policy", messages=list(row["prompt"]), **params)
     except openai.APIStatusError as exc:
-        row["extra_info"]["error"] = str(exc)
-        return exc.status_code / 1000
+        return {"reward": exc.status_code / 1000, "error": str(exc)}
     return 1.0
 
 
@@ -73,8 +72,8 @@ async def plain_http(row, client):
     async with httpx.AsyncClient() as http:
         anonymous = await http.post(url, json=body)
         served = await http.post(url, json=body, headers={"Authorization": f"Bearer {client.api_key}"})
-    row["extra_info"]["statuses"] = (anonymous.status_code, served.status_code)
-    return float(len(served.json()["raygraph"]["completion_token_ids"]))
+    return {"reward": float(len(served.json()["raygraph"]["completion_token_ids"])),
+            "statuses": (anonymous.status_code, served.status_code)}
 
 
 async def no_call(row, client):
@@ -94,7 +93,7 @@ async def uses_a_tool(row, client):
     messages = list(row["prompt"])
     reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
     message = reply.choices[0].message
-    row["extra_info"]["first"] = reply.model_dump()
+    first = reply.model_dump()
     messages.append(message.model_dump(exclude_none=True))
     for call in message.tool_calls or []:
         import json
@@ -102,4 +101,17 @@ async def uses_a_tool(row, client):
         result = calculator(**json.loads(call.function.arguments))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
-    return 1.0 if reply.choices[0].message.content.strip() == "5" else 0.0
+    return {"reward": 1.0 if reply.choices[0].message.content.strip() == "5" else 0.0, "first": first}
+
+
+async def overflows(row, client):
+    """Asks with a prompt past the context budget and does not catch the 400."""
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "9" * 200}])
+    return 1.0
+
+
+async def appends_to_its_row(row, client):
+    """Mutates its row's messages (siblings of the same prompt must not see it)."""
+    row["prompt"].append({"role": "user", "content": "mine"})
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    return float(len(row["prompt"]))

@@ -171,7 +171,7 @@ def test_budgets_cap_each_call_and_refuse_calls_past_max_turns():
 def test_the_context_budget_refuses_a_prompt_with_no_room():
     budgets = AgentBudgets(max_turns=3, max_new_tokens=5, max_total_tokens=8, max_message_tokens=8)
     episodes, engine, _, rows = run(program_loop("asks_for", budgets=budgets), n=1)
-    assert engine.made == [] and "rollout.agent.max_total_tokens=8" in rows[0]["extra_info"]["error"]
+    assert engine.made == [] and "rollout.agent.max_total_tokens=8" in episodes[0][-1].messages[-1]["error"]
     assert episodes[0][0].truncation == "context" and episodes[0][0].tokens == []
 
 
@@ -188,13 +188,13 @@ def test_sampling_parameters_are_honoured_when_they_are_the_runs_else_refused(pa
     if served:
         assert engine.made[0]["max_tokens"] == params.get("max_tokens", BUDGETS.max_new_tokens)
     else:
-        assert engine.made == [] and "400" in rows[0]["extra_info"]["error"]
-        assert next(iter(params)) in rows[0]["extra_info"]["error"]
+        assert engine.made == [] and "400" in episodes[0][-1].messages[-1]["error"]
+        assert next(iter(params)) in episodes[0][-1].messages[-1]["error"]
 
 
 def test_requests_need_the_runs_key_and_plain_http_works_with_it():
     episodes, engine, _, rows = run(program_loop("plain_http"), n=1)
-    assert rows[0]["extra_info"]["statuses"] == (401, 200)
+    assert episodes[0][-1].messages[-1]["statuses"] == (401, 200)
     assert len(engine.made) == 1 and episodes[0][0].rewards[-1] == len(engine.made[0]["tokens"])
 
 
@@ -259,7 +259,7 @@ def test_a_program_that_raises_stops_the_step_naming_the_episode():
 
 
 def test_a_program_must_return_a_number():
-    with pytest.raises(EnvContractError, match="must return a finite number.*'fine'"):
+    with pytest.raises(EnvContractError, match=r"must return a finite number.*'fine'.*\(in episode 0 \(uid 'u0'\)"):
         run(program_loop("returns_text"), n=1)
 
 
@@ -380,7 +380,7 @@ def test_tool_calls_are_returned_parsed_and_their_results_continue_the_row(smoll
         (parts,) = loop.run(engine, [[0]], [row], [None])
     finally:
         loop.shutdown()
-    choice = row["extra_info"]["first"]["choices"][0]
+    choice = parts[-1].messages[-1]["first"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (tool_call,) = choice["message"]["tool_calls"]
     assert tool_call["function"] == {"name": "calculator", "arguments": '{"expression": "2+3"}'}
@@ -408,7 +408,7 @@ def programs_calculator() -> dict:
 
 def test_tool_choice_that_forces_a_call_is_refused():
     episodes, engine, _, rows = run(program_loop("asks_for", program_args={"tool_choice": "required"}), n=1)
-    assert engine.made == [] and "tool_choice='required' is not supported" in rows[0]["extra_info"]["error"]
+    assert engine.made == [] and "tool_choice='required' is not supported" in episodes[0][-1].messages[-1]["error"]
 
 
 class ReplayIds(Replay):
@@ -467,3 +467,35 @@ def test_a_request_of_an_earlier_run_is_never_served_in_a_later_one():
         late.reply.result(timeout=1)
     assert caught.value.status == 410 and engine.queue == []
     loop.shutdown()
+
+
+def test_a_budget_refusal_the_program_does_not_catch_ends_its_episode_not_the_step(caplog):
+    with caplog.at_level("WARNING", logger="raygraph"):
+        episodes, engine, _, _ = run(program_loop("overflows"), n=2)
+    assert engine.made == [] and [parts[-1].truncation for parts in episodes] == ["context", "context"]
+    assert "after a call past its budget (context): BadRequestError" in caplog.text
+
+
+def test_episodes_of_one_prompt_do_not_share_their_rows():
+    loop = program_loop("appends_to_its_row")
+    prompts, rows = data_rows(1)
+    shared = [rows[0]] * 3   # as a prompt's n samples arrive: the same objects
+    try:
+        episodes = loop.run(EchoEngine(), prompts * 3, shared, [None] * 3)
+    finally:
+        loop.shutdown()
+    assert [parts[-1].messages[-1]["reward"] for parts in episodes] == [2.0, 2.0, 2.0]
+    assert len(rows[0]["prompt"]) == 1
+
+
+def test_a_malformed_content_length_is_refused():
+    endpoint = Endpoint(lambda *_: {"ok": True}, host="127.0.0.1")
+    try:
+        url = endpoint.open_episode(0)
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=5) as conn:
+            path = url.split(str(endpoint.port), 1)[1] + "/chat/completions"
+            conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n"
+                         f"Authorization: Bearer {endpoint.key}\r\n\r\n".encode())
+            assert conn.recv(200).startswith(b"HTTP/1.1 400")
+    finally:
+        endpoint.close()
