@@ -379,7 +379,7 @@ class ProgramLoop:
             if ep.done:
                 continue
             late = self.timeout_s is not None and now - ep.started > self.timeout_s
-            if ep.task.done() and not (late and ep.task.exception() is not None):
+            if ep.task.done() and not (late and (ep.task.cancelled() or ep.task.exception() is not None)):
                 self._finish(ep)
             elif late:   # (a program that failed past its deadline, as its time ran out, is cut, not failed)
                 ep.task.cancel()

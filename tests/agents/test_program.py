@@ -33,13 +33,13 @@ def ids(text: str) -> list[int]:
     return TOK(text, add_special_tokens=False)["input_ids"]
 
 
-class EchoEngine:
-    """Answers a call with the digit len(prompt) % 10, then eos (cut to max_tokens); log-prob j of a
-    call is -(j + 1) / 10 - len(prompt) / 1000. Keeps what it generated, in `made`."""
+class ScriptedEngine:
+    """A `TurnEngine` answering each call with `answer(prompt, max_tokens) -> (ids, log-probs)`, all
+    pending calls in one poll; keeps what it generated, in `made`."""
     lock_step = False
 
-    def __init__(self, cut: bool = False) -> None:
-        self.queue, self.made, self.cut = [], [], cut
+    def __init__(self, answer) -> None:
+        self.answer, self.queue, self.made = answer, [], []
 
     def submit(self, key, prompt, max_tokens, seed):
         self.queue.append((key, list(prompt), max_tokens, seed))
@@ -53,13 +53,33 @@ class EchoEngine:
     def poll(self):
         out = []
         for key, prompt, max_tokens, seed in self.queue:
-            tokens = (ids(str(len(prompt) % 10) * (9 if self.cut else 1)) + [EOS])[:max_tokens]
-            logprobs = [-(j + 1) / 10 - len(prompt) / 1000 for j in range(len(tokens))]
+            tokens, logprobs = self.answer(prompt, max_tokens)
             self.made.append({"prompt": prompt, "tokens": tokens, "logprobs": logprobs, "max_tokens": max_tokens,
                               "seed": seed})
             out.append((key, tokens, logprobs))
         self.queue = []
         return out
+
+
+def echo_engine(cut: bool = False) -> ScriptedEngine:
+    """Answers a call with the digit len(prompt) % 10 (nine of them with `cut`), then eos, cut to
+    max_tokens; log-prob j of a call is -(j + 1) / 10 - len(prompt) / 1000."""
+    def answer(prompt, max_tokens):
+        tokens = (ids(str(len(prompt) % 10) * (9 if cut else 1)) + [EOS])[:max_tokens]
+        return tokens, [-(j + 1) / 10 - len(prompt) / 1000 for j in range(len(tokens))]
+
+    return ScriptedEngine(answer)
+
+
+def replay(answers: list[list[int]]) -> ScriptedEngine:
+    """Answers the calls in order with fixed token ids, log-prob -0.5 each."""
+    answers = list(answers)
+
+    def answer(prompt, max_tokens):
+        tokens = answers.pop(0)
+        return tokens, [-0.5] * len(tokens)
+
+    return ScriptedEngine(answer)
 
 
 def program_loop(name: str, budgets=BUDGETS, tokenizer=TOK, **kwargs) -> ProgramLoop:
@@ -78,7 +98,7 @@ def data_rows(n: int, tokenizer=TOK, **extra) -> tuple[list[list[int]], list[dic
 
 
 def run(loop: ProgramLoop, n: int = 3, engine=None, seeds=None, **extra):
-    engine = engine or EchoEngine()
+    engine = engine or echo_engine()
     prompts, rows = data_rows(n, **extra)
     try:
         return loop.run(engine, prompts, rows, seeds or [None] * n), engine, prompts, rows
@@ -160,7 +180,7 @@ def test_merge_and_split_with_a_real_chat_template(smollm2_path):
 def test_budgets_cap_each_call_and_refuse_calls_past_max_turns():
     budgets = AgentBudgets(max_turns=3, max_new_tokens=5, max_total_tokens=80, max_message_tokens=8)
     episodes, engine, _, _ = run(program_loop("many_calls", budgets=budgets, program_args={"calls": 5}), n=1,
-                                 engine=EchoEngine(cut=True))
+                                 engine=echo_engine(cut=True))
     assert [m["max_tokens"] for m in engine.made] == [5, 5, 5]    # max_tokens=100 asked, 5 given
     (row,) = episodes[0][:1]
     assert len(episodes[0]) == 3        # each call's raw prompt is new: one row each
@@ -337,32 +357,6 @@ TOOL_TEMPLATE = (   # Qwen2.5-like: tools in a system turn, calls as hermes bloc
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-class Replay:
-    """Answers the calls in order with fixed texts (canonical ids + the stop id), log-prob -0.5 each."""
-    lock_step = False
-
-    def __init__(self, tokenizer, texts, stop):
-        self.tokenizer, self.texts, self.stop, self.queue, self.made = tokenizer, list(texts), stop, [], []
-
-    def submit(self, key, prompt, max_tokens, seed):
-        self.queue.append((key, list(prompt)))
-
-    def pending(self):
-        return len(self.queue)
-
-    def abort(self):
-        self.queue = []
-
-    def poll(self):
-        out = []
-        for key, prompt in self.queue:
-            tokens = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.stop]
-            self.made.append({"prompt": prompt, "tokens": tokens})
-            out.append((key, tokens, [-0.5] * len(tokens)))
-        self.queue = []
-        return out
-
-
 @pytest.mark.slow   # the SmolLM2 import, the first time
 def test_tool_calls_are_returned_parsed_and_their_results_continue_the_row(smollm2_path):
     from transformers import AutoTokenizer
@@ -371,7 +365,7 @@ def test_tool_calls_are_returned_parsed_and_their_results_continue_the_row(smoll
     tok.chat_template = TOOL_TEMPLATE
     end = tok.convert_tokens_to_ids("<|im_end|>")
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
-    engine = Replay(tok, [call, "5"], end)
+    engine = replay([tok(text, add_special_tokens=False)["input_ids"] + [end] for text in (call, "5")])
     budgets = AgentBudgets(max_turns=2, max_new_tokens=64, max_total_tokens=1024, max_message_tokens=64)
     loop = program_loop("uses_a_tool", budgets=budgets, tokenizer=tok)
     messages = [{"role": "user", "content": "What is 2+3?"}]
@@ -411,19 +405,6 @@ def test_tool_choice_that_forces_a_call_is_refused():
     assert engine.made == [] and "tool_choice='required' is not supported" in episodes[0][-1].messages[-1]["error"]
 
 
-class ReplayIds(Replay):
-    """Answers the calls in order with fixed token ids."""
-
-    def poll(self):
-        out = []
-        for key, prompt in self.queue:
-            tokens = self.texts.pop(0)
-            self.made.append({"prompt": prompt, "tokens": tokens})
-            out.append((key, tokens, [-0.5] * len(tokens)))
-        self.queue = []
-        return out
-
-
 @pytest.mark.slow   # the SmolLM2 import, the first time
 def test_a_turn_tokenized_otherwise_than_its_text_still_extends_its_row(smollm2_path):
     """SmolLM2 answers with its text spelled one id per character (not what tokenizing the text
@@ -434,7 +415,7 @@ def test_a_turn_tokenized_otherwise_than_its_text_still_extends_its_row(smollm2_
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     odd = [tok.convert_tokens_to_ids(c if c != " " else "Ġ") for c in "It is 13."] + [end]
-    engine = ReplayIds(tok, [odd, [tok.convert_tokens_to_ids("5"), end]], end)
+    engine = replay([odd, [tok.convert_tokens_to_ids("5"), end]])
     budgets = AgentBudgets(max_turns=2, max_new_tokens=16, max_total_tokens=512, max_message_tokens=64)
     loop = program_loop("two_turns", budgets=budgets, tokenizer=tok)
     row = {"prompt": [{"role": "user", "content": "13?"}], "reward_model": {"ground_truth": "13"}, "uid": "u",
@@ -461,7 +442,7 @@ def test_a_request_of_an_earlier_run_is_never_served_in_a_later_one():
     loop = program_loop("two_turns")
     loop._run_id = 2
     loop._episodes = [_Run(0, {}, None)]
-    engine, late = EchoEngine(), _Pending((1, 0), TurnRequest("chat", ids("x"), None, False, "policy"))
+    engine, late = echo_engine(), _Pending((1, 0), TurnRequest("chat", ids("x"), None, False, "policy"))
     loop._submit(engine, {}, late)
     with pytest.raises(Exception, match="this episode is over") as caught:
         late.reply.result(timeout=1)
@@ -481,7 +462,7 @@ def test_episodes_of_one_prompt_do_not_share_their_rows():
     prompts, rows = data_rows(1)
     shared = [rows[0]] * 3   # as a prompt's n samples arrive: the same objects
     try:
-        episodes = loop.run(EchoEngine(), prompts * 3, shared, [None] * 3)
+        episodes = loop.run(echo_engine(), prompts * 3, shared, [None] * 3)
     finally:
         loop.shutdown()
     assert [parts[-1].messages[-1]["reward"] for parts in episodes] == [2.0, 2.0, 2.0]
