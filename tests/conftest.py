@@ -20,6 +20,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # short responses never fill; several engines of a session at once ran the machine short (an
 # engine then fails to start). 1 GiB each (vLLM's own setting, in GiB) holds every test's load.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Two pytest workers on two cores: every actor shares its core with another process. OpenMP threads
+# that spin while they wait (libgomp's default) then wait a time slice per op: the real-model GRPO
+# step test took 147 s beside one busy core, 52 s with sleeping threads (docs/benchmarks.md section
+# 4). Actors inherit it through the local Ray's environment; subprocess tests through os.environ.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The tiny model's ops take microseconds; with 2 OpenMP threads on a busy 2-core machine each op
 # waits ~10 ms for the other thread. One thread is faster here and deterministic.
 torch.set_num_threads(1)
@@ -123,7 +128,7 @@ def ray_local():
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                                           "HF_HUB_OFFLINE": "1",
+                                           "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
                                            "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}})
     yield ray
     # Ray is shut down at interpreter exit; tests that need a fresh cluster start their own.

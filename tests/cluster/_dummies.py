@@ -89,7 +89,7 @@ class Policy:
 
     def env(self) -> dict:
         return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                               "OMP_NUM_THREADS")}
+                                               "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
 
     def hang(self, batch: Batch, seconds: float) -> Batch:
         return hang(batch, seconds)
