@@ -125,9 +125,11 @@ def ray_local():
     """One local Ray instance for the whole test session (8 logical CPUs on 2 real cores)."""
     import ray
 
+    from raygraph.run.setup import ACTOR_ENV   # what a run's own local Ray gives its actors (log levels)
+
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                 runtime_env={"env_vars": {**ACTOR_ENV, "OMP_NUM_THREADS": "1",
                                            "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
                                            "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}})
     yield ray
