@@ -125,7 +125,7 @@ def ray_local():
     """One local Ray instance for the whole test session (8 logical CPUs on 2 real cores)."""
     import ray
 
-    from raygraph.run.setup import ACTOR_ENV   # what a run's own local Ray gives its actors (log levels)
+    from raygraph.run.setup import ACTOR_ENV  # what a run's own local Ray gives its actors (log levels)
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
