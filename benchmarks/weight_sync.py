@@ -1,17 +1,23 @@
 """Weight-sync time and bandwidth: the tiny model and a ~100M-parameter random model, over gloo.
 
-For each model (saved with `raygraph.models.tiny.build_tiny_lm`, size "tiny" and "100m"):
+For each model (saved with `raygraph.models.tiny.build_tiny_lm`, size "tiny" and "100m"; or an HF
+directory given with `--model`, e.g. SmolLM2-135M-Instruct):
 
-* disaggregated: `PolicyWorker` (1 rank) -> `HFRolloutWorker` (1 and 2 ranks) through the
+* disaggregated: `PolicyWorker` (1 rank) -> the rollout engine's worker (1 and 2 ranks) through the
   verified, bucketed broadcast (`CollectiveTransport`, gloo);
 * colocated: the same pair fused in one actor (`InProcessTransport`);
+* per engine (`--engines hf,vllm`): `HFRolloutWorker` copies into its model's parameters,
+  `VLLMRolloutWorker` loads into the running engine (vLLM's layerwise reload, re-packing each
+  layer); the HF engine alone also gets the raw and paired transport figures below;
 * raw: a bare `ray.util.collective` gloo broadcast of the same number of bytes as one flat
   buffer between plain actors (no packing, checksums or loading): the floor for the transport;
 * transport_paired_1rx: one policy/rollout actor pair (`TransportPeer`, no `build_roles`) timing,
   interleaved, a raw broadcast over the sync's own group and `CollectiveTransport` syncs with
   checksums (verified) and without (`verify=False`), with the CPU seconds of both processes.
 
-    .venv/bin/python benchmarks/weight_sync.py [--repeats 3] [--sizes tiny,100m]
+    .venv/bin/python benchmarks/weight_sync.py [--repeats 3] [--sizes tiny,100m] [--engines hf,vllm]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/weight_sync.py --sizes "" --model runs/models/smollm2-135m-instruct \
+        --engines vllm
 
 Prints one JSON object (seconds are medians over the repeats; GB/s = weight bytes / seconds).
 """
@@ -31,6 +37,11 @@ from raygraph.cluster import PoolSpec, RoleSpec, build_roles
 from raygraph.models.tiny import build_tiny_lm
 from raygraph.workers.policy import PolicyWorker
 from raygraph.workers.rollout_hf import HFRolloutWorker
+from raygraph.workers.rollout_vllm import VLLMRolloutWorker
+
+# the receiving worker per engine: its class and what it is built with besides the model path
+ENGINES = {"hf": (HFRolloutWorker, {"max_new_tokens": 1}),
+           "vllm": (VLLMRolloutWorker, {"max_new_tokens": 1, "max_model_len": 256, "gpu_memory_utilization": 0.05})}
 
 
 class RawPeer:
@@ -142,15 +153,17 @@ def transport_sync(model_path: str, nbytes: int, repeats: int, bucket_bytes: int
     return result
 
 
-def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_bytes: int) -> dict:
-    pools = {"train": PoolSpec(bundles=receivers + (mode == "disaggregated"), cpus_per_bundle=1.0)}
+def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_bytes: int,
+               engine: str = "hf", cpus: float = 1.0) -> dict:
+    rollout_cls, rollout_kwargs = ENGINES[engine]
+    pools = {"train": PoolSpec(bundles=receivers + (mode == "disaggregated"), cpus_per_bundle=cpus)}
     specs = {"policy": RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6}, pool="train"),
-             "rollout": RoleSpec(HFRolloutWorker, {"model_path": model_path, "max_new_tokens": 1},
+             "rollout": RoleSpec(rollout_cls, {"model_path": model_path, **rollout_kwargs},
                                  world_size=receivers, pool="train")}
     if mode == "colocated":
         specs["policy"] = RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6},
                                    world_size=receivers, pool="train")
-    with build_roles(f"bench-sync/{mode}/{receivers}", pools, specs, weight_sync=[("policy", "rollout")],
+    with build_roles(f"bench-sync/{engine}/{mode}/{receivers}", pools, specs, weight_sync=[("policy", "rollout")],
                      colocate=[("policy", "rollout")] if mode == "colocated" else [],
                      bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300) as roles:
         roles.weights.sync_now()   # warm-up
@@ -172,26 +185,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default="tiny,100m")
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--engines", default="hf", help="rollout engines to receive: hf, vllm or hf,vllm")
+    parser.add_argument("--model", default=None, help="an HF model directory, measured after --sizes")
+    parser.add_argument("--cpus-per-rank", type=float, default=1.0,
+                        help="CPUs of each rank's bundle; its torch threads follow (OMP_NUM_THREADS)")
     args = parser.parse_args()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    result: dict = {"bucket_bytes": args.bucket_mb << 20, "repeats": args.repeats, "backend": "gloo (CPU)"}
+    bucket_bytes = args.bucket_mb << 20
+    result: dict = {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "backend": "gloo (CPU)",
+                    "cpus_per_rank": args.cpus_per_rank}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            path = str(build_tiny_lm(f"{tmp}/{size}", size=size, seed=0))
+        models = {size: str(build_tiny_lm(f"{tmp}/{size}", size=size, seed=0)) for size in filter(None, args.sizes.split(","))}
+        models.update({args.model: args.model} if args.model else {})
+        for name, path in models.items():
             entry: dict = {}
-            for receivers in (1, 2):
-                entry[f"disaggregated_{receivers}rx"] = roles_sync(path, "disaggregated", receivers, args.repeats,
-                                                                   args.bucket_mb << 20)
-            entry["colocated_1rank"] = roles_sync(path, "colocated", 1, args.repeats, args.bucket_mb << 20)
-            nbytes = entry["disaggregated_1rx"]["bytes"]
+            for engine in args.engines.split(","):
+                suffix = "" if engine == "hf" else f"_{engine}"
+                for receivers in (1, 2):
+                    entry[f"disaggregated_{receivers}rx{suffix}"] = roles_sync(path, "disaggregated", receivers,
+                                                                               args.repeats, bucket_bytes, engine,
+                                                                               args.cpus_per_rank)
+                entry[f"colocated_1rank{suffix}"] = roles_sync(path, "colocated", 1, args.repeats, bucket_bytes, engine,
+                                                               args.cpus_per_rank)
+            nbytes = next(v["bytes"] for k, v in entry.items() if k.startswith("disaggregated_1rx"))
             entry["params"] = nbytes // 4
-            entry["transport_paired_1rx"] = transport_sync(path, nbytes, args.repeats, args.bucket_mb << 20)
+            if "hf" in args.engines.split(","):
+                entry["transport_paired_1rx"] = transport_sync(path, nbytes, args.repeats, bucket_bytes)
             for receivers in (1, 2):
                 raw_s = raw_broadcast(nbytes, receivers, args.repeats)
                 entry[f"raw_collective_{receivers}rx"] = {"sync_s": round(raw_s, 4),
                                                           "gbytes_per_s": round(nbytes / raw_s / 1e9, 3)}
-            result[size] = entry
+            result[name] = entry
     print(json.dumps(result, indent=1))
     ray.shutdown()
 

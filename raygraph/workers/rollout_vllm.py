@@ -40,6 +40,8 @@ GPU-only options (`enable_sleep_mode`, `tensor_parallel_size`, `enable_prefix_ca
 from __future__ import annotations
 
 import functools
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -245,6 +247,7 @@ class VLLMRolloutWorker:
 
     def _load_full(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         loaded, nbytes, seen = 0, 0, set()
+        missing_of = Counter(_layer_of(name) for name in self._shapes)   # tensors not yet received, by layer
         self._wake()
         vllm_compat.begin_weight_update(self.engine)
         try:
@@ -255,7 +258,14 @@ class VLLMRolloutWorker:
                     if canonical not in seen:  # a tied tensor sent under both names goes once
                         seen.add(canonical)
                         send.append((canonical, tensor))
-                vllm_compat.load_bucket(self.engine, send)
+                        missing_of[_layer_of(canonical)] -= 1
+                # vLLM holds a layer's tensors until its last one arrives: those of a layer this
+                # bucket leaves incomplete outlive the call (the rest are re-packed during it).
+                # Tensors outside the decoder layers count as held: vLLM may re-pack such a
+                # layer only at the end (a padded vocabulary never adds up to its numel).
+                held = {name for name, _ in send
+                        if missing_of[layer := _layer_of(name)] > 0 or not _DECODER_LAYER.match(layer + ".")}
+                vllm_compat.load_bucket(self.engine, send, held=held)
                 loaded += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         finally:
@@ -328,6 +338,16 @@ def _generation_eos(model_path: str) -> list[int]:
     except OSError:  # no generation_config.json: transformers derives one from the model config
         eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _layer_of(name: str) -> str:
+    """The decoder layer of a state-dict name (`model.layers.3`), else its module: a unit that
+    holds every tensor of any layer vLLM re-packs (fused q/k/v or gate/up included)."""
+    match = _DECODER_LAYER.match(name)
+    return match.group(1) if match else name.rpartition(".")[0]
+
+
+_DECODER_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
 def _weight_spec(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

@@ -46,30 +46,37 @@ def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weight
     assert "Failed to load weights" not in log.out + log.err
 
 
-def _through_one_reused_buffer(named: list[tuple[str, torch.Tensor]]):
-    """One tensor a bucket, each a view into the same buffer, which is overwritten with NaN when
-    the next bucket is asked for: what a collective transport's reused payload buffers hand over
-    (`raygraph.cluster.weights`: a load must copy what it keeps)."""
-    buffer = torch.empty(max(t.numel() for _, t in named))
-    for name, tensor in named:
-        view = buffer[:tensor.numel()].view(tensor.shape)
-        view.copy_(tensor)
-        yield [(name, view)]
+def _through_one_reused_buffer(named: list[tuple[str, torch.Tensor]], per_bucket: int):
+    """`per_bucket` tensors a bucket, each a view into the same buffer, which is overwritten with
+    NaN when the next bucket is asked for: what a collective transport's reused payload buffers
+    hand over (`raygraph.cluster.weights`: a load must copy what it keeps)."""
+    buffer = torch.empty(sum(t.numel() for _, t in named))
+    for first in range(0, len(named), per_bucket):
+        bucket, offset = [], 0
+        for name, tensor in named[first:first + per_bucket]:
+            view = buffer[offset:offset + tensor.numel()].view(tensor.shape)
+            view.copy_(tensor)
+            bucket.append((name, view))
+            offset += tensor.numel()
+        yield bucket
         buffer.fill_(float("nan"))
 
 
-def test_an_update_through_a_reused_buffer_loads_every_layer_whole(tmp_path):
-    """vLLM's layerwise reload keeps the tensors of a layer until its last one arrives (q, k and v
-    of one attention come in three buckets here): the engine must copy them, or the layer is
-    built from a buffer the next bucket overwrote. After the update the engine's log-probs are
-    the new model's."""
+@pytest.mark.parametrize("per_bucket", [1, 5])
+def test_an_update_through_a_reused_buffer_loads_every_layer_whole(tmp_path, per_bucket):
+    """vLLM's layerwise reload keeps the tensors of a layer until its last one arrives (one tensor
+    a bucket: q, k and v of one attention come in three buckets; five a bucket: a decoder layer
+    of 12 tensors straddles two or three buckets, and the layers a bucket completes are re-packed
+    from its tensors without a copy): the engine must copy what it keeps, or the layer is built
+    from a buffer the next bucket overwrote. After the update the engine's log-probs are the new
+    model's."""
     old, new = (str(build_tiny_lm(tmp_path / name, size="small", seed=seed)) for name, seed in (("a", 0), ("b", 1)))
     ids = torch.tensor([load_tokenizer(old)("<|user|>1+2=<|end|><|assistant|>", add_special_tokens=False).input_ids])
     prompt = Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: ["p"]})
     worker = VLLMRolloutWorker(model_path=old, max_new_tokens=8, enforce_eager=True, gpu_memory_utilization=0.03)
     try:
         named = [(n, p.detach()) for n, p in load_causal_lm(new, dtype="float32").named_parameters()]
-        assert worker.load_weights(_through_one_reused_buffer(named), version=1)["loaded"] == len(named)
+        assert worker.load_weights(_through_one_reused_buffer(named, per_bucket), version=1)["loaded"] == len(named)
         after = worker.generate(prompt, greedy=True)
     finally:
         worker.close()
