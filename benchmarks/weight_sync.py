@@ -192,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    bucket_bytes = args.bucket_mb << 20
+    bucket_bytes, engines = args.bucket_mb << 20, args.engines.split(",")
     result: dict = {"bucket_bytes": bucket_bytes, "repeats": args.repeats, "backend": "gloo (CPU)",
                     "cpus_per_rank": args.cpus_per_rank}
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,7 +200,7 @@ def main() -> None:
         models.update({args.model: args.model} if args.model else {})
         for name, path in models.items():
             entry: dict = {}
-            for engine in args.engines.split(","):
+            for engine in engines:
                 suffix = "" if engine == "hf" else f"_{engine}"
                 for receivers in (1, 2):
                     entry[f"disaggregated_{receivers}rx{suffix}"] = roles_sync(path, "disaggregated", receivers,
@@ -210,7 +210,7 @@ def main() -> None:
                                                                args.cpus_per_rank)
             nbytes = next(v["bytes"] for k, v in entry.items() if k.startswith("disaggregated_1rx"))
             entry["params"] = nbytes // 4
-            if "hf" in args.engines.split(","):
+            if "hf" in engines:
                 entry["transport_paired_1rx"] = transport_sync(path, nbytes, args.repeats, bucket_bytes)
             for receivers in (1, 2):
                 raw_s = raw_broadcast(nbytes, receivers, args.repeats)

@@ -178,8 +178,7 @@ class InProcessTransport:
                 bucket = [(produced[0][0], _corrupt(produced[0][1])), *produced[1:]] if index == corrupt else produced
                 stats["buckets"] += 1
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-                handed_over = all(a is b for (_, a), (_, b) in zip(bucket, produced, strict=True))
-                if not handed_over and (sent := bucket_checksum(t for _, t in produced)) != (
+                if bucket is not produced and (sent := bucket_checksum(t for _, t in produced)) != (
                         got := bucket_checksum(t for _, t in bucket)):
                     problem = _mismatch(version, index, bucket, sent, got)
                     if strict:

@@ -121,6 +121,7 @@ class VLLMRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_eos(model_path),
                                       *stop_token_ids} - {None})
         self._shapes, self._alias = _weight_spec(model_path)
+        self._layers = {name: _decoder_layer(name) for name in self._shapes}
         if lora_sync not in ("adapter", "merged"):
             raise ValueError(f"unknown lora_sync {lora_sync!r}; valid: adapter, merged")
         self._adapter = AdapterSlot(model_path, lora) if lora is not None and lora_sync == "adapter" else None
@@ -247,7 +248,7 @@ class VLLMRolloutWorker:
 
     def _load_full(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         loaded, nbytes, seen = 0, 0, set()
-        missing_of = Counter(_layer_of(name) for name in self._shapes)   # tensors not yet received, by layer
+        missing_of = Counter(self._layers.values())   # tensors not yet received, by decoder layer
         self._wake()
         vllm_compat.begin_weight_update(self.engine)
         try:
@@ -258,13 +259,13 @@ class VLLMRolloutWorker:
                     if canonical not in seen:  # a tied tensor sent under both names goes once
                         seen.add(canonical)
                         send.append((canonical, tensor))
-                        missing_of[_layer_of(canonical)] -= 1
+                        missing_of[self._layers[canonical]] -= 1
                 # vLLM holds a layer's tensors until its last one arrives: those of a layer this
                 # bucket leaves incomplete outlive the call (the rest are re-packed during it).
                 # Tensors outside the decoder layers count as held: vLLM may re-pack such a
                 # layer only at the end (a padded vocabulary never adds up to its numel).
                 held = {name for name, _ in send
-                        if missing_of[layer := _layer_of(name)] > 0 or not _DECODER_LAYER.match(layer + ".")}
+                        if (layer := self._layers[name]) is None or missing_of[layer] > 0}
                 vllm_compat.load_bucket(self.engine, send, held=held)
                 loaded += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -340,11 +341,11 @@ def _generation_eos(model_path: str) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def _layer_of(name: str) -> str:
-    """The decoder layer of a state-dict name (`model.layers.3`), else its module: a unit that
-    holds every tensor of any layer vLLM re-packs (fused q/k/v or gate/up included)."""
+def _decoder_layer(name: str) -> str | None:
+    """The decoder layer of a state-dict name (`model.layers.3`; None outside the decoder layers):
+    a unit that holds every tensor of any layer vLLM re-packs (fused q/k/v or gate/up included)."""
     match = _DECODER_LAYER.match(name)
-    return match.group(1) if match else name.rpartition(".")[0]
+    return match.group(1) if match else None
 
 
 _DECODER_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
