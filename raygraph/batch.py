@@ -33,7 +33,7 @@ __all__ = [
     "SEQUENCE_COLUMNS", "ENV_SCORES", "response_attention", "last_valid_index",
     "ROLLOUT_LOGPROBS", "OLD_LOGPROBS", "REF_LOGPROBS", "ENTROPY", "VALUES",
     "TOKEN_LEVEL_SCORES", "TOKEN_LEVEL_REWARDS", "ADVANTAGES", "RETURNS",
-    "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
+    "REWARD_BASELINES", "WEIGHT_VERSION", "STALENESS", "TOKEN_WEIGHT_VERSION", "REWARD_EXTRA_PREFIX", "INPUT_IDS", "ATTENTION_MASK", "LOSS_MASK",
     "UID", "DATA_SOURCE", "GROUND_TRUTH", "PROMPT_TEXT", "PROMPT_MESSAGES", "RESPONSE_TEXT", "EXTRA_INFO",
     "JUDGE_PROMPT", "JUDGE_OUTPUT",
     "AGENT_TURNS", "AGENT_ENV_S", "AGENT_TOOL_OK", "AGENT_TOOL_ERROR", "AGENT_TOOL_TIMEOUT", "AGENT_TRUNCATION",
@@ -61,6 +61,7 @@ RETURNS = "returns"                      # (B, R) float32
 REWARD_BASELINES = "reward_baselines"    # (B,)   float32, e.g. ReMax greedy-rollout score
 WEIGHT_VERSION = "weight_version"        # (B,)   int64, policy version that generated the row
 STALENESS = "staleness"                  # (B,)   int64, versions the row's weights lag the policy's
+TOKEN_WEIGHT_VERSION = "token_weight_version"  # (B, R) int64, version that sampled each token (streaming)
 ENV_SCORES = "env_scores"                # (B, R) float32, an environment's per-turn rewards (multi-turn)
 REWARD_EXTRA_PREFIX = "reward_extra."    # (B,)   float32 columns, e.g. "reward_extra.acc"
 

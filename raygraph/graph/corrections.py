@@ -14,6 +14,8 @@ from raygraph.batch import (
     RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
     STALENESS,
+    TOKEN_WEIGHT_VERSION,
+    WEIGHT_VERSION,
     Batch,
 )
 from raygraph.graph.whole_batch import masked_mean_value
@@ -23,10 +25,14 @@ __all__ = ["CORRECTIONS", "correct_rollouts", "rollout_correction_metrics", "tru
 
 
 def _behaviour_ratios(batch: Batch, *, stale_only: bool = True) -> torch.Tensor:
-    """(B, R) `pi_old / pi_rollout` per token; exactly 1 on padding, and with `stale_only` on rows
-    of staleness 0 too."""
+    """(B, R) `pi_old / pi_rollout` per token; exactly 1 on padding, and with `stale_only` on tokens
+    sampled with the current weights too: a row of staleness 0, or with `token_weight_version`
+    (streamed rows, whose tokens may come from several versions) a token of the current version."""
     rows = batch[RESPONSE_MASK].bool()
-    if stale_only:
+    if stale_only and TOKEN_WEIGHT_VERSION in batch:
+        current = batch[WEIGHT_VERSION] + batch[STALENESS]   # (B,) the weights held when the row was taken
+        rows = rows & (batch[TOKEN_WEIGHT_VERSION] < current[:, None])
+    elif stale_only:
         rows = rows & (batch[STALENESS] > 0)[:, None]
     log_ratio = (batch[OLD_LOGPROBS] - batch[ROLLOUT_LOGPROBS]).float().clamp(max=20.0)  # exp stays finite
     return torch.where(rows, log_ratio.exp(), torch.ones_like(log_ratio))

@@ -22,14 +22,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from raygraph.batch import Batch
+from raygraph.batch import RESPONSE_LENGTH, RESPONSE_TEXT, RESPONSES, Batch
 from raygraph.models.lora import LoraSpec
+from raygraph.workers.streaming import StreamedSamples, StreamLoop
 
 __all__ = [
     "RolloutEngine", "load_checkpoint", "prefetch", "prefetch_next", "reseed", "save_checkpoint",
-    "take_or_generate", "weight_version",
+    "stream_ready", "stream_requeue", "stream_stop", "stream_submit", "stream_take", "take_or_generate",
+    "weight_version",
 ]
 
 Tensor = torch.Tensor
@@ -132,3 +135,54 @@ def save_checkpoint(self, path: str | Path) -> None:
 def load_checkpoint(self, path: str | Path) -> None:
     """Restore what `save_checkpoint` wrote under `path`."""
     self._weight_version = self.prefetched.load(path, self.generator)
+
+
+# ------------------------------------------------------------------------------ streaming (issue 26)
+# For an engine with `continue_samples` (`raygraph.workers.streaming.ContinueSamples`), `n`,
+# `micro_batch_size`, `tokenizer` and a `streamed` attribute (None until the first submit).
+
+
+def stream_submit(self, prompts: Batch) -> dict[str, float]:
+    """Queue the prompt rows of `prompts` as groups of n samples; a background loop generates
+    them with whatever weights the engine holds at each moment (started by the first call)."""
+    if self.streamed is None:
+        self.streamed = StreamedSamples(self.n, self.tokenizer.pad_token_id)
+        self._stream_loop = StreamLoop(self.streamed, self.continue_samples, lambda: self._weight_version,
+                                       self.micro_batch_size)
+    self._stream_loop.check()
+    return {"rollout/stream_submitted": float(self.streamed.submit(prompts))}
+
+
+def stream_ready(self, wait_groups: int = 0, timeout_s: float = 0.0) -> dict[str, int]:
+    """`{uid: version of its oldest token}` of the finished groups, after waiting up to `timeout_s`
+    for `wait_groups` of them. Raises the streaming loop's error if it died."""
+    if self.streamed is None:
+        return {}
+    self._stream_loop.check()
+    if wait_groups:
+        self.streamed.wait_ready(wait_groups, timeout_s)
+        self._stream_loop.check()
+    return self.streamed.ready()
+
+
+def stream_take(self, uids: list[str]) -> Batch:
+    """These finished groups as rollout rows (`StreamedSamples.take`), with `response_text`;
+    `staleness` counts versions behind the weights held now."""
+    rows = self.streamed.take(uids, self._weight_version)
+    texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(rows[RESPONSES], rows[RESPONSE_LENGTH])],
+                                        skip_special_tokens=True)
+    column = np.empty(len(texts), dtype=object)
+    column[:] = texts
+    return rows.with_columns(**{RESPONSE_TEXT: column})
+
+
+def stream_requeue(self, uids: list[str]) -> int:
+    """Generate these finished groups again from their prompts (too stale); how many."""
+    return self.streamed.requeue(uids)
+
+
+def stream_stop(self) -> None:
+    """Stop the streaming loop (the queued groups stay in `streamed`)."""
+    loop = getattr(self, "_stream_loop", None)
+    if loop is not None:
+        loop.stop()

@@ -26,7 +26,8 @@ the rollouts it would have used.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -44,6 +45,7 @@ from raygraph.workers.agent_rollout import HFTurns, agent_loop, generate_episode
 from raygraph.workers.distributed import default_device
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
+from raygraph.workers.streaming import Continuation, Sample
 
 __all__ = ["HFRolloutWorker", "filter_top_k_top_p"]
 
@@ -117,7 +119,11 @@ class HFRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *eos, *stop_token_ids} - {None})
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._weight_version = 0
+        # held by each model call of a sampling loop and by `load_weights`: a streaming loop's
+        # thread and a weight update never overlap (`raygraph.workers.streaming`)
+        self._weights_lock = threading.Lock()
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
+        self.streamed = None   # StreamedSamples, made by the first `stream_submit`
         self.agent = None if agent is None else agent_loop(agent, self.tokenizer, self.stop_token_ids, None)
 
     # seeding, pipelining and checkpoints: the same for every engine (`raygraph.workers.rollout_engine`)
@@ -125,11 +131,15 @@ class HFRolloutWorker:
     prefetch, prefetch_next = rollout_engine.prefetch, rollout_engine.prefetch_next
     take_or_generate = rollout_engine.take_or_generate
     save_checkpoint, load_checkpoint = rollout_engine.save_checkpoint, rollout_engine.load_checkpoint
+    # streaming rollouts (`raygraph.workers.streaming`)
+    stream_submit, stream_ready, stream_take = rollout_engine.stream_submit, rollout_engine.stream_ready, rollout_engine.stream_take
+    stream_requeue, stream_stop = rollout_engine.stream_requeue, rollout_engine.stream_stop
 
     def close(self) -> None:
-        """Stop the agent loop's threads (multi-turn episodes); nothing else holds a resource."""
+        """Stop the agent loop's threads (multi-turn episodes) and a streaming loop."""
         if self.agent is not None:
             self.agent.shutdown()
+        self.stream_stop()
 
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -173,20 +183,33 @@ class HFRolloutWorker:
 
     @torch.no_grad()
     def sample_tokens(self, prompt_ids: Tensor, prompt_mask: Tensor, greedy: bool, temperature: float,
-                max_new_tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU;
-        at most `max_new_tokens` tokens (default: the worker's)."""
+                      max_new_tokens: int | None = None, *, budget: Tensor | None = None,
+                      keep_going: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """KV-cached decoding of one micro-batch -> `(responses, response_mask, logprobs)` on CPU.
+
+        Args:
+            max_new_tokens: tokens per row at most (default: the worker's).
+            budget: `(B,)` tokens row by row at most (a continued sample has fewer left).
+            keep_going: asked before each model call, under the weights lock; when it turns false
+                the loop ends with what it sampled (a weight update ends a streaming wave), so
+                every token returned was sampled with the weights held when the call began.
+        """
         max_new_tokens = max_new_tokens or self.max_new_tokens
         keep = prompt_mask.bool().any(0).nonzero()
         start = int(keep[0]) if len(keep) else 0  # drop columns that are padding in every row
         prompt_ids, mask = prompt_ids[:, start:].to(self.device), prompt_mask[:, start:].long().to(self.device)
         rows = prompt_ids.shape[0]
         stop = torch.tensor(self.stop_token_ids, device=self.device)
-        # rows repeating a prompt (the n samples of each) share one prefill of it
-        logits, cache = prefill(self.model, prompt_ids, mask, position_ids_from_mask(mask),
-                                prompt_runs(prompt_ids, mask))
+        with self._weights_lock:
+            if keep_going is not None and not keep_going():
+                nothing = torch.zeros(rows, 0, dtype=torch.long)
+                return nothing, nothing.clone(), nothing.float()
+            # rows repeating a prompt (the n samples of each) share one prefill of it
+            logits, cache = prefill(self.model, prompt_ids, mask, position_ids_from_mask(mask),
+                                    prompt_runs(prompt_ids, mask))
         next_position = mask.sum(-1, keepdim=True)  # (B, 1): position of the first response token
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        budget = None if budget is None else budget.to(self.device)
         tokens, alive, logprobs = [], [], []
         for step in range(max_new_tokens):
             token, logprob = self._pick(logits, greedy, temperature)
@@ -195,15 +218,44 @@ class HFRolloutWorker:
             tokens.append(token)
             logprobs.append(logprob.masked_fill(finished, 0.0))
             finished = finished | torch.isin(token, stop)
+            if budget is not None:
+                finished = finished | (budget <= step + 1)
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                             cache=cache, use_cache=True)
+            with self._weights_lock:
+                if keep_going is not None and not keep_going():
+                    break
+                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                                 cache=cache, use_cache=True)
             logits, cache = out.logits[:, -1], out.cache
             next_position = next_position + 1
         return (torch.stack(tokens, 1).cpu(), torch.stack(alive, 1).long().cpu(),
                 torch.stack(logprobs, 1).float().cpu())
+
+    def continue_samples(self, samples: Sequence[Sample], version: int,
+                         keep_going: Callable[[], bool]) -> list[Continuation]:
+        """One streaming wave: continue each sample from its token ids (prompt + tokens so far, as one
+        left-padded sequence, so positions match the policy's) with the weights held now.
+
+        `version` is the weight version the caller read; `keep_going` turns false when it changes,
+        which ends the wave before the next model call (`sample_tokens`)."""
+        seqs = [s.prompt_ids + s.tokens for s in samples]
+        width, pad = max(map(len, seqs)), self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(q)) + q for q in seqs])
+        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in seqs])
+        left = torch.tensor([self.max_new_tokens - len(s.tokens) for s in samples])
+        if int(left.min()) < 1:
+            raise ValueError("continue_samples: a sample already has max_new_tokens tokens but is not done")
+        tokens, alive, logprobs = self.sample_tokens(ids, mask, False, self.temperature, int(left.max()),
+                                                     budget=left, keep_going=keep_going)
+        out = []
+        for i, sample in enumerate(samples):
+            k = int(alive[i].sum())
+            new = tokens[i, :k].tolist()
+            done = bool(new) and (new[-1] in self.stop_token_ids or len(sample.tokens) + k >= self.max_new_tokens)
+            out.append(Continuation(new, logprobs[i, :k].tolist(), done))
+        return out
 
     def _pick(self, logits: Tensor, greedy: bool, temperature: float) -> tuple[Tensor, Tensor]:
         """Next token `(B,)` and its log-prob under `softmax(logits / temperature)` `(B,)`."""
@@ -231,6 +283,10 @@ class HFRolloutWorker:
             KeyError: a name that is not a parameter or buffer of this model.
             ValueError: a shape mismatch, naming the parameter.
         """
+        with self._weights_lock:   # never under a sampling loop's model call (streaming)
+            return self._copy_weights(buckets, version)
+
+    def _copy_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         targets = self.model.state_dict(keep_vars=True)
         loaded, nbytes = 0, 0
         for bucket in buckets:

@@ -1,0 +1,251 @@
+"""Streaming rollouts (issue 26), the engine-independent part: samples that outlive a weight update.
+
+A rollout rank that streams keeps generating while the trainer trains. Prompts are submitted as
+groups (the n samples of a prompt); a background loop (`StreamLoop`) continues the unfinished
+samples in waves through the engine's `continue_samples`; a weight update that lands between
+two decode steps ends the wave, and the next wave continues every unfinished sample **from its
+token ids** with the new weights (the engine recomputes their KV cache; nothing is re-tokenized
+from text). Each generated token keeps the log-prob it was sampled with and the version of the
+weights that sampled it, so a sample that straddles updates is corrected token by token
+(`raygraph.graph.corrections`).
+
+`StreamedSamples` is the bookkeeping: which samples are unfinished, which groups are complete,
+how old each group's oldest token is. A group is handed out only whole (`take`), never split:
+GRPO and RLOO normalise over all n samples of a prompt. A group whose oldest token is more than
+`max_staleness` versions behind is **regenerated** (`requeue`: its tokens are dropped and its n
+samples start again with the weights of the moment), never dropped, so that no prompt of the
+data order is lost; `regenerated` counts them.
+
+Nothing here imports Ray; the engines (`raygraph.workers.rollout_hf`) own a `StreamedSamples`
+and a `StreamLoop`, and tests drive both with a real engine and no Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from raygraph.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOGPROBS,
+    STALENESS,
+    TOKEN_WEIGHT_VERSION,
+    UID,
+    WEIGHT_VERSION,
+    Batch,
+)
+
+__all__ = ["Continuation", "Sample", "StreamLoop", "StreamedSamples"]
+
+
+@dataclass
+class Sample:
+    """One response being generated: its prompt's token ids and what was generated so far."""
+
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)   # as sampled, one a token
+    versions: list[int] = field(default_factory=list)     # weight version that sampled each token
+    done: bool = False
+
+    def restart(self) -> None:
+        self.tokens, self.logprobs, self.versions, self.done = [], [], [], False
+
+
+@dataclass
+class Continuation:
+    """What a wave added to one sample: new tokens with their log-probs, and whether it finished."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    done: bool
+
+
+# An engine's `continue_samples(samples, version, keep_going) -> [Continuation]`: continue each
+# sample from its token ids with the weights of `version`, stopping early when `keep_going()`
+# turns false (checked before each model call, under the engine's weights lock).
+ContinueSamples = Callable[[Sequence[Sample], int, Callable[[], bool]], list[Continuation]]
+
+
+class StreamedSamples:
+    """Groups of samples submitted for streaming, by prompt uid, in submission order.
+
+    Args:
+        n: samples per prompt (a group).
+        pad_id: right-padding of `responses` in `take`.
+    """
+
+    def __init__(self, n: int, pad_id: int) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.n, self.pad_id = n, pad_id
+        self.groups: dict[str, tuple[Batch, list[Sample]]] = {}   # uid -> (prompt row, its n samples)
+        self.regenerated = 0
+        self.tokens_per_version: Counter[int] = Counter()
+        self.changed = threading.Condition()
+
+    # ------------------------------------------------------------------------------ in
+    def submit(self, prompts: Batch) -> int:
+        """Queue each prompt row of `prompts` (`uid`, `prompt_ids`, `prompt_mask`) as a group of n
+        samples. Returns the groups queued. A uid already queued is an error: it would be trained twice."""
+        uids = list(prompts[UID])
+        taken = [u for u in uids if u in self.groups]
+        if taken or len(set(uids)) != len(uids):
+            raise ValueError(f"prompts submitted twice for streaming (uids {sorted(set(taken))[:5] or uids[:5]}); "
+                             "a group is submitted once and taken once")
+        with self.changed:
+            for i, uid in enumerate(uids):
+                mask = prompts[PROMPT_MASK][i].bool()
+                ids = prompts[PROMPT_IDS][i][mask].tolist()
+                if not ids:
+                    raise ValueError(f"prompt {uid!r} is empty: nothing to continue from")
+                self.groups[uid] = (prompts.select([i]), [Sample(ids) for _ in range(self.n)])
+            self.changed.notify_all()
+        return len(uids)
+
+    def unfinished(self, limit: int) -> list[Sample]:
+        """Up to `limit` unfinished samples, oldest group first (a group's samples together)."""
+        with self.changed:
+            out = [s for _, samples in self.groups.values() for s in samples if not s.done]
+        return out[:limit]
+
+    def extend(self, samples: Sequence[Sample], continuations: Sequence[Continuation], version: int) -> None:
+        """Append what a wave with the weights of `version` generated to each sample."""
+        with self.changed:
+            for sample, more in zip(samples, continuations, strict=True):
+                sample.tokens += more.tokens
+                sample.logprobs += more.logprobs
+                sample.versions += [version] * len(more.tokens)
+                sample.done = more.done
+                self.tokens_per_version[version] += len(more.tokens)
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------------------------ out
+    def ready(self) -> dict[str, int]:
+        """`{uid: version of its oldest token}` of every group whose n samples have finished."""
+        with self.changed:
+            return {uid: min(s.versions[0] for s in samples)   # versions only grow along a sample
+                    for uid, (_, samples) in self.groups.items() if all(s.done for s in samples)}
+
+    def in_flight(self) -> int:
+        """Samples not finished yet (the load of this rank)."""
+        with self.changed:
+            return sum(not s.done for _, samples in self.groups.values() for s in samples)
+
+    def wait_ready(self, groups: int, timeout_s: float) -> int:
+        """Block until at least `groups` groups are ready or `timeout_s` passed; the ready count."""
+        with self.changed:
+            self.changed.wait_for(lambda: self._ready_count() >= groups, timeout=timeout_s)
+            return self._ready_count()
+
+    def _ready_count(self) -> int:
+        return sum(all(s.done for s in samples) for _, samples in self.groups.values())
+
+    def requeue(self, uids: Sequence[str]) -> int:
+        """Start these finished groups again from their prompts (too stale to train on). Returns how
+        many. Only finished groups: a sample in a wave must not lose its tokens under the wave."""
+        with self.changed:
+            open_ = [u for u in uids if not all(s.done for s in self.groups[u][1])]
+            if open_:
+                raise ValueError(f"groups {open_[:5]} are still generating; only finished groups are requeued")
+            for uid in uids:
+                for sample in self.groups[uid][1]:
+                    sample.restart()
+            self.regenerated += len(uids)
+            self.changed.notify_all()
+        return len(uids)
+
+    def take(self, uids: Sequence[str], version: int) -> Batch:
+        """Hand out these whole groups (and forget them) as rollout rows, n per prompt, in `uids` order.
+
+        Returns:
+            the prompt rows repeated n times with `responses`, `response_mask`, `rollout_logprobs`,
+            `token_weight_version` (B, R) (0 on padding), `response_length`, `weight_version`
+            (B,) = the version of the row's oldest token, and `staleness` = `version` minus it.
+
+        Raises:
+            KeyError: a uid not submitted; ValueError: a group not finished (groups never split).
+        """
+        with self.changed:
+            unknown = [u for u in uids if u not in self.groups]
+            if unknown:
+                raise KeyError(f"no streamed group for uids {unknown[:5]}")
+            open_ = [u for u in uids if not all(s.done for s in self.groups[u][1])]
+            if open_:
+                raise ValueError(f"groups {open_[:5]} have unfinished samples; a group is taken only whole")
+            picked = [self.groups.pop(u) for u in uids]
+        samples = [s for _, group in picked for s in group]
+        width = max([len(s.tokens) for s in samples] or [0])
+
+        def column(values, fill, dtype):
+            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype).reshape(len(samples), width)
+
+        mask = column([[1] * len(s.tokens) for s in samples], 0, torch.int64)
+        versions = column([s.versions for s in samples], 0, torch.int64)
+        oldest = torch.tensor([min(s.versions or [version]) for s in samples], dtype=torch.int64)
+        rows = Batch.concat([prompt for prompt, _ in picked]).repeat_interleave(self.n) if picked else Batch()
+        return rows.with_columns(**{
+            RESPONSES: column([s.tokens for s in samples], self.pad_id, torch.int64), RESPONSE_MASK: mask,
+            RESPONSE_LENGTH: mask.sum(-1), ROLLOUT_LOGPROBS: column([s.logprobs for s in samples], 0.0, torch.float32),
+            TOKEN_WEIGHT_VERSION: versions, WEIGHT_VERSION: oldest, STALENESS: version - oldest})
+
+
+class StreamLoop:
+    """A thread that keeps continuing the unfinished samples of `samples` in waves.
+
+    Args:
+        samples: the rank's streamed groups.
+        continue_samples: the engine's (see `ContinueSamples`).
+        version: the engine's current weight version (read before each wave and between steps).
+        wave_rows: samples per wave (the engine's micro-batch).
+    """
+
+    def __init__(self, samples: StreamedSamples, continue_samples: ContinueSamples, version: Callable[[], int],
+                 wave_rows: int) -> None:
+        self.samples, self.continue_samples, self.version, self.wave_rows = samples, continue_samples, version, wave_rows
+        self.error: BaseException | None = None
+        self.waves = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raygraph-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self.samples.changed:
+                    self.samples.changed.wait_for(lambda: self._stop.is_set() or self.samples.in_flight() > 0,
+                                                  timeout=1.0)
+                wave = self.samples.unfinished(self.wave_rows)
+                if not wave or self._stop.is_set():
+                    continue
+                version = self.version()
+                more = self.continue_samples(wave, version, self._same_weights(version))
+                self.samples.extend(wave, more, version)
+                self.waves += 1
+        except BaseException as exc:   # surfaced by `check()` in the caller's thread
+            self.error = exc
+            with self.samples.changed:
+                self.samples.changed.notify_all()
+
+    def _same_weights(self, version: int) -> Callable[[], bool]:
+        """True while the loop runs and the engine still holds the weights of `version`."""
+        return lambda: not self._stop.is_set() and self.version() == version
+
+    def check(self) -> None:
+        """Raise the loop's error, if it died, in the caller's thread."""
+        if self.error is not None:
+            raise RuntimeError(f"the streaming rollout loop failed: {self.error!r}") from self.error
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        with self.samples.changed:
+            self.samples.changed.notify_all()
+        self._thread.join(timeout_s)
