@@ -38,7 +38,7 @@ __all__ = [
     "JUDGE_PROMPT", "JUDGE_OUTPUT",
     "AGENT_TURNS", "AGENT_ENV_S", "AGENT_TOOL_OK", "AGENT_TOOL_ERROR", "AGENT_TOOL_TIMEOUT", "AGENT_TRUNCATION",
     "AGENT_ELSEWHERE",
-    "AGENT_CONVERSATION", "NEXT_PROMPTS", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
+    "AGENT_CONVERSATION", "NEXT_PROMPTS", "STREAM_TAKE", "EXTRA_PROMPTS", "PROMPT_BATCHES_USED", "extra_prompt_batch", "without_extra_prompts",
     "pad_right",
 ]
 
@@ -93,6 +93,7 @@ AGENT_TRUNCATION = "agent_truncation"      # str: why the episode ended (`raygra
 AGENT_CONVERSATION = "agent_conversation"  # list of {role, text, tokens, reward}: the episode turn by turn
 
 # --- meta keys set by the driver --------------------------------------------------------------
+STREAM_TAKE = "stream_take"    # streaming rollouts: {rollout rank: uids of the finished groups it hands over}
 NEXT_PROMPTS = "next_prompts"  # async pipelining: {uids of a rank's share now: its share next step}
 # A step may generate from more prompts than its own batch: the driver attaches the batches that
 # follow in the data order (as many as the step graph reads, `raygraph.graph.report`), and the

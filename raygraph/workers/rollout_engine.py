@@ -18,6 +18,8 @@ no base class. They read three attributes the engine sets up in `__init__`:
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -25,13 +27,23 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from raygraph.batch import RESPONSE_LENGTH, RESPONSE_TEXT, RESPONSES, Batch
+from raygraph.batch import (
+    RESPONSE_LENGTH,
+    RESPONSE_TEXT,
+    RESPONSES,
+    SHARD,
+    STALENESS,
+    STREAM_TAKE,
+    TOKEN_WEIGHT_VERSION,
+    Batch,
+)
 from raygraph.models.lora import LoraSpec
+from raygraph.workers.rollout_output import no_rollouts
 from raygraph.workers.streaming import StreamedSamples, StreamLoop
 
 __all__ = [
     "RolloutEngine", "load_checkpoint", "prefetch", "prefetch_next", "reseed", "save_checkpoint",
-    "stream_ready", "stream_requeue", "stream_stop", "stream_submit", "stream_take", "take_or_generate",
+    "stream_load", "stream_stop", "stream_submit", "stream_take", "stream_wait", "take_or_generate",
     "weight_version",
 ]
 
@@ -139,7 +151,9 @@ def load_checkpoint(self, path: str | Path) -> None:
 
 # ------------------------------------------------------------------------------ streaming (issue 26)
 # For an engine with `continue_samples` (`raygraph.workers.streaming.ContinueSamples`), `n`,
-# `micro_batch_size`, `tokenizer` and a `streamed` attribute (None until the first submit).
+# `micro_batch_size`, `tokenizer`, `partial_rollouts`, a `streamed` attribute (None until the
+# first submit), and the two `StreamLoop` takes from its `load_weights`: `_no_update` (a
+# threading.Event cleared while it loads) and `_wave_lock` (a threading.Lock it holds while it loads).
 
 
 def stream_submit(self, prompts: Batch) -> dict[str, float]:
@@ -148,37 +162,61 @@ def stream_submit(self, prompts: Batch) -> dict[str, float]:
     if self.streamed is None:
         self.streamed = StreamedSamples(self.n, self.tokenizer.pad_token_id)
         self._stream_loop = StreamLoop(self.streamed, self.continue_samples, lambda: self._weight_version,
-                                       self.micro_batch_size)
+                                       self.micro_batch_size, self._no_update,
+                                       None if self.partial_rollouts else self._wave_lock)
+        self._stream_clock = (time.perf_counter(), 0.0)
     self._stream_loop.check()
     return {"rollout/stream_submitted": float(self.streamed.submit(prompts))}
 
 
-def stream_ready(self, wait_groups: int = 0, timeout_s: float = 0.0) -> dict[str, int]:
-    """`{uid: version of its oldest token}` of the finished groups, after waiting up to `timeout_s`
-    for `wait_groups` of them. Raises the streaming loop's error if it died."""
-    if self.streamed is None:
-        return {}
+def stream_load(self) -> int:
+    """Samples submitted here and not finished: what least-loaded dispatch compares."""
+    return 0 if self.streamed is None else self.streamed.in_flight()
+
+
+def stream_wait(self, uids: list[str], timeout_s: float) -> dict[str, float]:
+    """Wait up to `timeout_s` for these groups to finish.
+
+    Returns:
+        `{"ready": 1.0 | 0.0}` and this rank's streaming figures since the last wait:
+        `busy_s` / `wall_s` (generation time and wall time), `in_flight` (unfinished samples),
+        `queued` (groups held, finished or not), and `tokens_v<version>` per weight version.
+    Raises:
+        the streaming loop's error, if it died.
+    """
+    if not uids:
+        return {"ready": 1.0}
     self._stream_loop.check()
-    if wait_groups:
-        self.streamed.wait_ready(wait_groups, timeout_s)
-        self._stream_loop.check()
-    return self.streamed.ready()
+    ready = self.streamed.wait_for(uids, timeout_s)
+    self._stream_loop.check()
+    now, busy = time.perf_counter(), self._stream_loop.busy_s
+    since, busy_before = self._stream_clock
+    self._stream_clock = (now, busy)
+    tokens, self.streamed.tokens_per_version = dict(self.streamed.tokens_per_version), Counter()
+    return {"ready": float(ready), "busy_s": busy - busy_before, "wall_s": now - since,
+            "in_flight": float(self.streamed.in_flight()), "queued": float(len(self.streamed.groups)),
+            **{f"tokens_v{v}": float(k) for v, k in tokens.items()}}
 
 
-def stream_take(self, uids: list[str]) -> Batch:
-    """These finished groups as rollout rows (`StreamedSamples.take`), with `response_text`;
-    `staleness` counts versions behind the weights held now."""
+def stream_take(self, batch: Batch) -> Batch:
+    """The finished groups the driver assigned to this rank (`batch.meta[STREAM_TAKE][rank]`,
+    rank from the scatter's `SHARD` tag; this rank's share of `batch` is not read) as rollout rows
+    (`StreamedSamples.take`) with `response_text`; `staleness` counts versions behind the weights
+    held now, which are the policy's."""
+    rank = batch.meta.get(SHARD, {}).get("rank", 0)
+    uids = list(batch.meta[STREAM_TAKE].get(rank, ()))
+    if not uids:
+        empty = no_rollouts(batch.select([]), self._weight_version)
+        return empty.with_columns(**{TOKEN_WEIGHT_VERSION: empty[RESPONSES].clone(),
+                                     STALENESS: torch.zeros(0, dtype=torch.int64)})
     rows = self.streamed.take(uids, self._weight_version)
     texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(rows[RESPONSES], rows[RESPONSE_LENGTH])],
                                         skip_special_tokens=True)
     column = np.empty(len(texts), dtype=object)
     column[:] = texts
-    return rows.with_columns(**{RESPONSE_TEXT: column})
-
-
-def stream_requeue(self, uids: list[str]) -> int:
-    """Generate these finished groups again from their prompts (too stale); how many."""
-    return self.streamed.requeue(uids)
+    out = rows.with_columns(**{RESPONSE_TEXT: column})
+    out.meta = {k: v for k, v in batch.meta.items() if k not in (STREAM_TAKE, SHARD)}
+    return out
 
 
 def stream_stop(self) -> None:

@@ -89,6 +89,9 @@ class HFRolloutWorker:
         device: default: the current CUDA device, else CPU.
         agent: multi-turn episodes instead of single responses: the `AgentLoop` arguments
             (`raygraph.agents.loop`, from `rollout.agent`); turns are generated in waves.
+        partial_rollouts: streaming (`stream_submit`): a weight update lands between two decode
+            steps and unfinished samples continue with it (true), or waits for the running wave's
+            samples to finish (false); `raygraph.workers.streaming`.
     """
 
     @staticmethod
@@ -100,7 +103,7 @@ class HFRolloutWorker:
     def __init__(self, *, model_path: str, dtype: str = "float32", attn_impl: str = "auto", seed: int = 0,
                  n: int = 1, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), micro_batch_size: int = 64, lora: LoraSpec | None = None,
-                 device: str | None = None, agent: dict | None = None) -> None:
+                 device: str | None = None, agent: dict | None = None, partial_rollouts: bool = True) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -122,6 +125,10 @@ class HFRolloutWorker:
         # held by each model call of a sampling loop and by `load_weights`: a streaming loop's
         # thread and a weight update never overlap (`raygraph.workers.streaming`)
         self._weights_lock = threading.Lock()
+        self._wave_lock = threading.Lock()   # taken first by `load_weights`; held by a wave without partial rollouts
+        self._no_update = threading.Event()  # cleared while `load_weights` waits and loads: streaming waves yield
+        self._no_update.set()
+        self.partial_rollouts = partial_rollouts
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
         self.streamed = None   # StreamedSamples, made by the first `stream_submit`
         self.agent = None if agent is None else agent_loop(agent, self.tokenizer, self.stop_token_ids, None)
@@ -132,8 +139,8 @@ class HFRolloutWorker:
     take_or_generate = rollout_engine.take_or_generate
     save_checkpoint, load_checkpoint = rollout_engine.save_checkpoint, rollout_engine.load_checkpoint
     # streaming rollouts (`raygraph.workers.streaming`)
-    stream_submit, stream_ready, stream_take = rollout_engine.stream_submit, rollout_engine.stream_ready, rollout_engine.stream_take
-    stream_requeue, stream_stop = rollout_engine.stream_requeue, rollout_engine.stream_stop
+    stream_submit, stream_load, stream_wait = rollout_engine.stream_submit, rollout_engine.stream_load, rollout_engine.stream_wait
+    stream_take, stream_stop = rollout_engine.stream_take, rollout_engine.stream_stop
 
     def close(self) -> None:
         """Stop the agent loop's threads (multi-turn episodes) and a streaming loop."""
@@ -283,8 +290,12 @@ class HFRolloutWorker:
             KeyError: a name that is not a parameter or buffer of this model.
             ValueError: a shape mismatch, naming the parameter.
         """
-        with self._weights_lock:   # never under a sampling loop's model call (streaming)
-            return self._copy_weights(buckets, version)
+        self._no_update.clear()   # a streaming wave ends at its next model call, and none starts
+        try:
+            with self._wave_lock, self._weights_lock:   # never under a sampling loop's model call
+                return self._copy_weights(buckets, version)
+        finally:
+            self._no_update.set()
 
     def _copy_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         targets = self.model.state_dict(keep_vars=True)

@@ -23,8 +23,10 @@ and a `StreamLoop`, and tests drive both with a real engine and no Ray.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +148,22 @@ class StreamedSamples:
             self.changed.wait_for(lambda: self._ready_count() >= groups, timeout=timeout_s)
             return self._ready_count()
 
+    def wait_for(self, uids: Sequence[str], timeout_s: float) -> bool:
+        """Block until every group of `uids` has finished or `timeout_s` passed; whether they all have.
+
+        Raises:
+            KeyError: a uid not submitted here.
+        """
+        unknown = [u for u in uids if u not in self.groups]
+        if unknown:
+            raise KeyError(f"no streamed group for uids {unknown[:5]}")
+
+        def finished() -> bool:
+            return all(s.done for u in uids for s in self.groups[u][1])
+
+        with self.changed:
+            return self.changed.wait_for(finished, timeout=timeout_s)
+
     def _ready_count(self) -> int:
         return sum(all(s.done for s in samples) for _, samples in self.groups.values())
 
@@ -206,13 +224,22 @@ class StreamLoop:
         continue_samples: the engine's (see `ContinueSamples`).
         version: the engine's current weight version (read before each wave and between steps).
         wave_rows: samples per wave (the engine's micro-batch).
+        no_update: set while no weight update waits (the engine's `load_weights` clears it until
+            it has loaded): a wave ends at its next model call when it clears, and no wave starts
+            before it is set again, so an update never waits behind wave after wave.
+        wave_lock: without partial rollouts, a lock held for a whole wave, which then runs its
+            samples to the end; the engine's `load_weights` takes it too, so an update waits for
+            the running wave and no sample mixes versions. None (partial rollouts): a wave ends
+            at the next model call after an update, and its samples continue with the new weights.
     """
 
     def __init__(self, samples: StreamedSamples, continue_samples: ContinueSamples, version: Callable[[], int],
-                 wave_rows: int) -> None:
+                 wave_rows: int, no_update: threading.Event, wave_lock: AbstractContextManager | None = None) -> None:
         self.samples, self.continue_samples, self.version, self.wave_rows = samples, continue_samples, version, wave_rows
+        self.no_update, self.wave_lock = no_update, wave_lock
         self.error: BaseException | None = None
         self.waves = 0
+        self.busy_s = 0.0   # seconds spent in waves (the rank's generation time)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raygraph-stream", daemon=True)
         self._thread.start()
@@ -226,18 +253,26 @@ class StreamLoop:
                 wave = self.samples.unfinished(self.wave_rows)
                 if not wave or self._stop.is_set():
                     continue
-                version = self.version()
-                more = self.continue_samples(wave, version, self._same_weights(version))
+                self.no_update.wait()
+                start = time.perf_counter()
+                with self.wave_lock or nullcontext():
+                    version = self.version()
+                    keep_going = self._same_weights(version) if self.wave_lock is None else self._running
+                    more = self.continue_samples(wave, version, keep_going)
                 self.samples.extend(wave, more, version)
                 self.waves += 1
+                self.busy_s += time.perf_counter() - start
         except BaseException as exc:   # surfaced by `check()` in the caller's thread
             self.error = exc
             with self.samples.changed:
                 self.samples.changed.notify_all()
 
+    def _running(self) -> bool:
+        return not self._stop.is_set()
+
     def _same_weights(self, version: int) -> Callable[[], bool]:
         """True while the loop runs and the engine still holds the weights of `version`."""
-        return lambda: not self._stop.is_set() and self.version() == version
+        return lambda: not self._stop.is_set() and self.version() == version and self.no_update.is_set()
 
     def check(self) -> None:
         """Raise the loop's error, if it died, in the caller's thread."""

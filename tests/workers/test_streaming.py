@@ -15,9 +15,11 @@ from raygraph.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_MASK,
+    RESPONSE_TEXT,
     RESPONSES,
     ROLLOUT_LOGPROBS,
     STALENESS,
+    STREAM_TAKE,
     TOKEN_WEIGHT_VERSION,
     UID,
     WEIGHT_VERSION,
@@ -166,9 +168,10 @@ def test_the_background_loop_takes_weights_that_land_mid_request(tiny_model_path
             reached.clear()
             weights[version] = load_causal_lm(tiny_model_path).eval()
             weights[version].load_state_dict(dict(new))
-        ready = worker.stream_ready(wait_groups=len(uids), timeout_s=60)
-        assert set(ready) == set(uids)
-        rows = worker.stream_take(uids)
+        figures = worker.stream_wait(uids, timeout_s=60)
+        assert figures["ready"] == 1.0 and figures["in_flight"] == 0.0 and figures["queued"] == len(uids)
+        assert 0 < figures["busy_s"] <= figures["wall_s"]
+        rows = worker.stream_take(Batch(meta={STREAM_TAKE: {0: uids}}))
     finally:
         worker.stream_stop()
     mask, versions = rows[RESPONSE_MASK].bool(), rows[TOKEN_WEIGHT_VERSION]
@@ -182,3 +185,36 @@ def test_the_background_loop_takes_weights_that_land_mid_request(tiny_model_path
         expected = torch.where(versions == version, lp, expected)
     assert torch.allclose(rows[ROLLOUT_LOGPROBS][mask], expected[mask], atol=1e-5)
     assert rows[STALENESS].tolist() == (2 - rows[WEIGHT_VERSION]).tolist()
+    generated = {int(k[len("tokens_v"):]): v for k, v in figures.items() if k.startswith("tokens_v")}
+    assert generated == {v: float(((versions == v) & mask).sum()) for v in (0, 1, 2)}
+    assert list(rows[RESPONSE_TEXT]) == worker.tokenizer.batch_decode(
+        [r[m].tolist() for r, m in zip(rows[RESPONSES], mask)], skip_special_tokens=True)
+
+
+def test_without_partial_rollouts_an_update_waits_for_the_running_wave(tiny_model_path):
+    """partial_rollouts=false: the update lands only between waves, so no sample mixes versions,
+    and each sample's log-probs are those of its one version."""
+    import threading
+
+    worker = _worker(tiny_model_path, n=2)
+    worker.partial_rollouts, worker.micro_batch_size, worker.max_new_tokens = False, 4, 48
+    calls, reached = itertools.count(1), threading.Event()
+    worker.model.register_forward_pre_hook(lambda *_: reached.set() if next(calls) == 3 else None)
+    uids = [f"p{i}" for i in range(6)]
+    worker.stream_submit(_prompts(uids))
+    try:
+        assert reached.wait(30)
+        new = _perturbed(worker.model, seed=1)
+        worker.load_weights([new], version=1)   # waits for the first wave (4 samples) to end
+        assert worker.stream_wait(uids, timeout_s=60)["ready"] == 1.0
+        rows = worker.stream_take(Batch(meta={STREAM_TAKE: {0: uids}}))
+    finally:
+        worker.stream_stop()
+    mask, versions = rows[RESPONSE_MASK].bool(), rows[TOKEN_WEIGHT_VERSION]
+    per_row = [set(versions[i][mask[i]].tolist()) for i in range(len(rows))]
+    assert per_row == [{0}] * 4 + [{1}] * 8, per_row
+    v1 = load_causal_lm(tiny_model_path).eval()
+    v1.load_state_dict(dict(new))
+    expected = torch.where(versions == 0, response_logprobs(load_causal_lm(tiny_model_path).eval(), rows)[0],
+                           response_logprobs(v1, rows)[0])
+    assert torch.allclose(rows[ROLLOUT_LOGPROBS][mask], expected[mask], atol=1e-5)
