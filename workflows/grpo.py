@@ -13,6 +13,11 @@ Asynchronous (`placement.max_staleness=1`, disaggregated placement only), one-st
            ─► truncated IS ─► policy.update ─┐
            └► rollout.prefetch_next (the next step's prompts, with the weights of now) ─┴► weight sync
 
+Streaming (`rollout.streaming`, any `placement.max_staleness` k): the rollout ranks generate the
+next k steps' prompts continuously and take each weight update as it lands (docs/streaming.md)::
+
+    prompts ─► rollout.stream_take (the step's finished groups) ─► ... as above ... ─► weight sync
+
 How this departs from the paper (all config, same file):
 - The advantage estimator is `algorithm.advantage`, one of ESTIMATORS: `grpo` (paper, the
   default), `dr_grpo` (no std division, Liu et al. 2025), or another outcome estimator.
@@ -52,15 +57,15 @@ from raygraph.graph.fragments import (
 
 ROLES = ("policy", "rollout", "reward")
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # first: the default
-MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements
+MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements without streaming
 
 
 def build(roles, cfg):
     """Build the per-step DAG; `cfg.algorithm.advantage` is one of ESTIMATORS (checked by the config)."""
-    pipelined = cfg.placement.max_staleness > 0
+    pipelined = cfg.placement.max_staleness > 0 and not cfg.rollout.streaming
+    take = "stream_take" if cfg.rollout.streaming else "take_or_generate" if pipelined else "generate"
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind("take_or_generate" if pipelined else "generate",
-                                      first_round_prompts(roles, cfg, prompts))
+        rollouts = roles.rollout.bind(take, first_round_prompts(roles, cfg, prompts))
         scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
         scored, shaping = shape_rollouts(roles, cfg, scored, prompts)   # DAPO options: the batch may change size
         batch = advantages(roles, cfg, scored, prompts)   # whole batch: per-group normalisation

@@ -59,7 +59,7 @@ def workflow_problems(cfg: RaygraphConfig, workflow: Workflow) -> list[str]:
     elif workflow.advantages and advantage in advantages.names() and advantage not in workflow.advantages:
         problems.append(f"algorithm.advantage={advantage!r} is not an estimator that workflow {workflow.ref!r} "
                         f"implements; it accepts: {', '.join(workflow.advantages)} (default {workflow.advantages[0]})")
-    if cfg.placement.max_staleness > workflow.max_staleness:
+    if cfg.placement.max_staleness > workflow.max_staleness and not cfg.rollout.streaming:
         problems.append(f"placement.max_staleness={cfg.placement.max_staleness}, but workflow {workflow.ref!r} "
                         f"implements at most {workflow.max_staleness} (0: synchronous only)")
     return problems
@@ -155,6 +155,21 @@ def _model(cfg: RaygraphConfig) -> list[str]:
             f"model at {model.path}, set model.tiny=null"]
 
 
+def _streaming(cfg: RaygraphConfig) -> list[str]:
+    """What streaming rollouts (rollout.streaming) work with so far (docs/streaming.md)."""
+    if not cfg.rollout.streaming:
+        return []
+    needs = [(cfg.placement.mode == "disaggregated", "placement.mode=disaggregated (rollout ranks of their own "
+                                                     "generate while the policy trains)"),
+             (cfg.resolved_rollout_engine == "hf", f"rollout.engine=hf (the vLLM engine does not stream yet; this "
+                                                   f"config resolves to {cfg.resolved_rollout_engine})"),
+             (cfg.rollout.agent is None, "rollout.agent=null (multi-turn episodes do not stream yet)"),
+             (cfg.model.lora is None, "model.lora=null (adapter syncs do not stream yet)"),
+             (cfg.actor.old_logprobs != "rollout", "actor.old_logprobs=auto or recompute (streamed tokens may "
+                                                   "come from older weights than the policy's)")]
+    return [f"rollout.streaming=true needs {what}" for ok, what in needs if not ok]
+
+
 def _placement(cfg: RaygraphConfig) -> list[str]:
     problems, place = [], cfg.placement
     if place.max_staleness > 0 and place.mode != "disaggregated":
@@ -167,9 +182,10 @@ def _placement(cfg: RaygraphConfig) -> list[str]:
     if cfg.algorithm.rollout_correction.mode != "off" and cfg.actor.old_logprobs == "rollout":
         problems.append("algorithm.rollout_correction compares the trainer's old log-probs with the rollout's: "
                         "it needs actor.old_logprobs=auto or recompute, not rollout (the ratio would be 1)")
-    if place.max_staleness > 1:
-        problems.append(f"placement.max_staleness={place.max_staleness}: only 0 (synchronous) and 1 (rollouts "
-                        "sampled one step ahead, during the previous update) are implemented")
+    if place.max_staleness > 1 and not cfg.rollout.streaming:
+        problems.append(f"placement.max_staleness={place.max_staleness} needs rollout.streaming=true: without it "
+                        "only 0 (synchronous) and 1 (rollouts sampled one step ahead) are implemented")
+    problems.extend(_streaming(cfg))
     if place.mode == "colocated" and place.rollout_workers != place.train_workers:
         problems.append(f"placement.mode=colocated runs one rollout engine beside each training rank, so "
                         f"placement.rollout_workers ({place.rollout_workers}) must equal "

@@ -193,6 +193,16 @@ class RolloutConfig(Section):
                                                         "(vLLM batches requests itself).")
     agent: AgentConfig | None = Field(None, description="Multi-turn episodes with an environment and/or tools "
                                                         "(docs/agents.md); null = one response per prompt.")
+    streaming: bool = Field(False, description="Streaming rollouts (docs/streaming.md): the rollout ranks "
+                                               "keep generating the next placement.max_staleness steps' "
+                                               "prompts while the policy trains, and take each weight "
+                                               "update as it lands. Needs placement.mode=disaggregated, "
+                                               "the hf engine and a workflow whose graph takes streamed "
+                                               "rollouts (grpo, rloo, reinforce_pp).")
+    partial_rollouts: bool = Field(True, description="Streaming: a weight update reaches requests in flight, "
+                                                     "which continue from their token ids with the new "
+                                                     "weights (each token records its version); false: "
+                                                     "the update waits until the running requests finish.")
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -251,7 +261,9 @@ class PlacementConfig(Section):
                                                        "each side); syncs then report weights/verified = 0.")
     max_staleness: int = Field(0, ge=0, description="Rollouts may lag the policy by this many versions "
                                                     "(async pipelining); 0 = synchronous, 1 = the next "
-                                                    "step's rollouts are sampled during this step's update.")
+                                                    "step's rollouts are sampled during this step's update; "
+                                                    "with rollout.streaming any k: no token trains more "
+                                                    "than k versions behind the weights it updates.")
 
     @model_validator(mode="before")
     @classmethod

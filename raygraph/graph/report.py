@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from raygraph.batch import PROMPT_BATCHES_USED, Batch
 from raygraph.graph import dapo, step_metrics, whole_batch
 from raygraph.graph.builder import GraphBuildError
-from raygraph.graph.nodes import ApplyNode, DAGNode, MultiOutputNode, SyncNode
+from raygraph.graph.nodes import ApplyNode, CallNode, DAGNode, MultiOutputNode, SyncNode
 
 __all__ = ["StepReport", "GraphFacts", "graph_facts", "with_report", "split_report", "step_report"]
 
@@ -58,11 +58,13 @@ class GraphFacts:
             driver attaches that many to each step's prompts.
         provides: the report's facts some node of the graph computes (`_FACT_SOURCES`).
         applies: the names of the whole-batch functions the graph applies.
+        calls: the role methods the graph calls, as "role.method".
     """
 
     extra_prompt_batches: int = 0
     provides: frozenset = frozenset()
     applies: frozenset = frozenset()
+    calls: frozenset = frozenset()
 
     def require(self, what: str, because: str) -> None:
         """Raise `GraphBuildError` unless the graph provides the fact `what` or applies the
@@ -90,7 +92,8 @@ def graph_facts(dag: DAGNode) -> GraphFacts:
     rounds = [n.kwargs.get("round", 0) for n in applies if n.fn is dapo.refill_prompts]
     return GraphFacts(extra_prompt_batches=max(rounds, default=0),
                       provides=frozenset(f for n in applies for f in _FACT_SOURCES.get(n.fn, ())),
-                      applies=frozenset(n.fn.__name__ for n in applies))
+                      applies=frozenset(n.fn.__name__ for n in applies),
+                      calls=frozenset(f"{n.role}.{n.method}" for n in _nodes(dag) if isinstance(n, CallNode)))
 
 
 def with_report(dag: DAGNode) -> MultiOutputNode:

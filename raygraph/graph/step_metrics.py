@@ -30,14 +30,16 @@ from raygraph.batch import (
     RESPONSE_MASK,
     RESPONSE_TEXT,
     REWARD_EXTRA_PREFIX,
+    STALENESS,
     TOKEN_LEVEL_SCORES,
+    TOKEN_WEIGHT_VERSION,
     UID,
     WEIGHT_VERSION,
     Batch,
 )
 from raygraph.graph.whole_batch import sequence_scores
 
-__all__ = ["rollout_metrics", "validation_metrics", "sampled_validation_metrics", "pass_at_k", "sample_records",
+__all__ = ["rollout_metrics", "streaming_metrics", "validation_metrics", "sampled_validation_metrics", "pass_at_k", "sample_records",
            "DUMP_ROWS", "VAL_CONSOLE_ROWS"]
 
 # The driver asks for a step's samples as text with `meta[DUMP_ROWS]` (rows wanted, -1 = all) in
@@ -84,6 +86,31 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         out["actor/kl_coef"] = float(batch.meta["kl_coef"])
     if AGENT_TURNS in batch:
         out.update(agent_metrics(batch))
+    if TOKEN_WEIGHT_VERSION in batch:
+        out.update(streaming_metrics(batch))
+    return out
+
+
+def streaming_metrics(batch: Batch) -> dict[str, float]:
+    """Streamed rollouts (`raygraph.workers.streaming`): how many versions each trained token, and
+    each group's oldest token, lags the weights being updated (`stream/token_staleness_<j>`,
+    `stream/group_staleness_<j>`: shares, j = 0 .. the largest), and the share of samples whose
+    tokens come from more than one weight version (`stream/mixed_version_samples`)."""
+    mask = batch[RESPONSE_MASK].bool()
+    current = batch[WEIGHT_VERSION] + batch[STALENESS]   # (B,) the weights held when the rows were taken
+    token_lag = (current[:, None] - batch[TOKEN_WEIGHT_VERSION])[mask]
+    groups: dict[str, int] = {}
+    for uid, lag in zip(batch[UID], batch[STALENESS].tolist()):   # a row's staleness: its oldest token's
+        groups[uid] = max(groups.get(uid, 0), lag)
+    group_lag = torch.tensor(list(groups.values()))
+    versions = batch[TOKEN_WEIGHT_VERSION].masked_fill(~mask, -1)
+    first = versions.gather(1, torch.zeros_like(versions[:, :1]))
+    mixed = ((versions != first) & mask).any(-1)
+    out = {"stream/token_staleness_mean": float(token_lag.float().mean()) if token_lag.numel() else 0.0,
+           "stream/mixed_version_samples": float(mixed.float().mean())}
+    for j in range(int(max(token_lag.max() if token_lag.numel() else 0, group_lag.max())) + 1):
+        out[f"stream/token_staleness_{j}"] = float((token_lag == j).float().mean()) if token_lag.numel() else 0.0
+        out[f"stream/group_staleness_{j}"] = float((group_lag == j).float().mean())
     return out
 
 

@@ -102,7 +102,11 @@ def check_graph_honours(cfg: RaygraphConfig, facts: GraphFacts) -> None:
     for what, on, setting in needs:
         if on:
             facts.require(what, f"{setting} (workflow {cfg.workflow!r})")
-    if facts.extra_prompt_batches and cfg.placement.max_staleness:
+    if cfg.rollout.streaming and "rollout.stream_take" not in facts.calls:
+        raise GraphBuildError(
+            f"rollout.streaming is true, but the graph of workflow {cfg.workflow!r} does not take streamed rollouts "
+            "(it never calls rollout.stream_take); grpo, rloo and reinforce_pp do (docs/streaming.md)")
+    if facts.extra_prompt_batches and (cfg.placement.max_staleness or cfg.rollout.streaming):
         raise GraphBuildError(
             f"workflow {cfg.workflow!r} generates from {facts.extra_prompt_batches} extra prompt batches per step "
             f"(algorithm.dynamic_sampling.max_extra_rounds) with the current weights, which asynchronous pipelining "

@@ -121,7 +121,8 @@ def _rollout_args(cfg) -> dict:
                 "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps,
                 "engine_core": r.vllm_engine_core,
                 **_lora_args(cfg)}
-    hf = {"attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size}
+    hf = {"attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size,
+          "partial_rollouts": r.partial_rollouts}
     return {**sampling, **hf, **({"lora": _lora(cfg)} if cfg.model.lora is not None else {})}
 
 

@@ -37,6 +37,7 @@ from raygraph.run.samples import SampleDumps
 from raygraph.run.setup import prepare_run, start_ray
 from raygraph.run.stage_recovery import StageRunner
 from raygraph.run.stopping import RunStopped, StopFlag
+from raygraph.run.streaming import StreamFeed
 from raygraph.run.tracking import Tracker
 from raygraph.run.validation import run_validation
 from raygraph.run.warm_start import run_warm_start
@@ -154,6 +155,7 @@ class _Loop:
     val_graph: Any = None
     extra_batches: int = 0  # prompt batches the step graph may read beyond its own
     lookahead: int = 0      # the next step's prompt shares handed out early (max_staleness)
+    stream: StreamFeed | None = None   # streaming rollouts (rollout.streaming)
     version: int = 0        # the rollout's weight version
     step: int = 0           # the step running (or the last one run)
     steps_done: int = 0     # the last step logged
@@ -186,10 +188,15 @@ class _Loop:
         self.runner = StageRunner(  # restarts a dead rollout/reward actor alone and reruns its step
             lambda: Executor(step_graph, roles, mode=mode, fuse=not cfg.trainer.profile,
                              timeout_s=cfg.trainer.step_timeout_s), roles, specs, self.recoveries, ctx.run_dir,
-            enabled=mode == "interpreted" and cfg.trainer.max_restarts > 0,
+            # a restarted rollout rank would have lost its streamed groups: streaming recovers at run level
+            enabled=mode == "interpreted" and cfg.trainer.max_restarts > 0 and not cfg.rollout.streaming,
             timeout_s=cfg.placement.weight_sync_timeout_s + 10, placement_timeout_s=cfg.placement.placement_timeout_s)
         self.extra_batches = graph_facts(step_graph).extra_prompt_batches
-        self.lookahead = roles.rollout.world_size if cfg.placement.max_staleness else 0
+        self.lookahead = roles.rollout.world_size if cfg.placement.max_staleness and not cfg.rollout.streaming else 0
+        if cfg.rollout.streaming:
+            self.stream = StreamFeed(roles.rollout, self.data, ahead=cfg.placement.max_staleness, n=cfg.rollout.n,
+                                     next_step=self.saved + 1, last_step=cfg.trainer.total_steps,
+                                     timeout_s=cfg.trainer.step_timeout_s or float("inf"))
         self.dumps = SampleDumps(ctx.run_dir, cfg.trainer.dump_rollouts, cfg.trainer.dump_rows)
         self.val_graph = val_graph
         first = self.saved == 0 and cfg.trainer.val_before_train and not stop.requested
@@ -233,6 +240,7 @@ class _Loop:
         prompts = self.data.next_prompts(step=step, kl_coef=self.kl_ctl.value, lookahead_shares=self.lookahead,
                                          extra_batches=self.extra_batches)
         prompts.meta[step_metrics.DUMP_ROWS] = self.dumps.rows_for(step)
+        streamed = {} if self.stream is None else {**self.stream.fill(step), **self.stream.take(step, prompts)}
         outputs, report = split_report(self.runner.run(prompts, step=step, version=self.version))
         self.metrics = metrics = merge_outputs(outputs)
         self.ledger.trained(step, self.data.settle(prompts, report.prompt_batches))
@@ -242,6 +250,8 @@ class _Loop:
         metrics["timing/step_s"] = time.perf_counter() - t0
         metrics.update(self.roles.take_step_stats())
         metrics["perf/tokens_per_s"] = metrics.get("rollout/tokens", 0.0) / metrics["timing/step_s"]
+        if streamed:
+            metrics.update(streamed, **{"stream/trainer_idle_frac": streamed["stream/wait_s"] / metrics["timing/step_s"]})
         self.version = self.version if report.weight_version is None else report.weight_version
         if report.kl_in_reward is not None:   # the graph computes it whenever the controller adapts
             self.kl_ctl.update(report.kl_in_reward, len(prompts) * self.cfg.rollout.n)

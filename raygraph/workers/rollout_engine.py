@@ -184,10 +184,10 @@ def stream_wait(self, uids: list[str], timeout_s: float) -> dict[str, float]:
     Raises:
         the streaming loop's error, if it died.
     """
-    if not uids:
+    if self.streamed is None:   # nothing was ever submitted here
         return {"ready": 1.0}
     self._stream_loop.check()
-    ready = self.streamed.wait_for(uids, timeout_s)
+    ready = self.streamed.wait_for(uids, timeout_s) if uids else True
     self._stream_loop.check()
     now, busy = time.perf_counter(), self._stream_loop.busy_s
     since, busy_before = self._stream_clock

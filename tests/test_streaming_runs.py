@@ -1,0 +1,194 @@
+"""Streaming rollouts (issue 26) in runs: the driver's feed (least-loaded, k steps ahead, the data
+order kept) with fake ranks, the config's rules, then real runs under Ray on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from raygraph.batch import PROMPT_IDS, PROMPT_MASK, STREAM_TAKE, UID, Batch
+from raygraph.config import ConfigError, load_config
+from raygraph.run.ledger import check_ledger
+from raygraph.run.streaming import StreamFeed
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "configs" / "toy" / "grpo_kl_loss.yaml"   # disaggregated: policy+reference | rollout+reward
+
+
+# --- the driver's feed, with fake ranks ------------------------------------------------------------
+class _Sampler:
+    """Prompts 0, 1, 2, ... in order, `size` a batch (a resumable sampler's interface)."""
+
+    def __init__(self, size: int):
+        self.size, self.position = size, 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+@dataclasses.dataclass
+class _Data:
+    sampler: _Sampler
+
+    def next_prompts(self, *, step: int, kl_coef: float) -> Batch:
+        first = self.sampler.position
+        self.sampler.position += self.sampler.size
+        uids = [f"u{i}" for i in range(first, first + self.sampler.size)]
+        ids = torch.ones(len(uids), 2, dtype=torch.long)
+        return Batch({PROMPT_IDS: ids, PROMPT_MASK: ids.clone()}, {UID: uids}, {"step": step})
+
+
+class _Ranks:
+    """Fake rollout ranks: each holds what it was submitted; rank 1 starts busier."""
+
+    def __init__(self, loads: list[int]):
+        self.loads, self.held, self.waits = list(loads), [[] for _ in loads], []
+        self.world_size = len(loads)
+
+    def call(self, method: str):
+        assert method == "stream_load"
+        return list(self.loads)
+
+    def call_each(self, method: str, per_rank: list[tuple]):
+        if method == "stream_submit":
+            for rank, (prompts,) in enumerate(per_rank):
+                self.held[rank] += list(prompts[UID])
+                self.loads[rank] += 2 * len(prompts)
+            return [{}] * self.world_size
+        assert method == "stream_wait"
+        self.waits.append([list(uids) for uids, _ in per_rank])
+        return [{"ready": 1.0, "busy_s": 1.0, "wall_s": 4.0, "in_flight": 2.0, "queued": 3.0, "tokens_v5": 7.0}
+                for _ in per_rank]
+
+
+def test_the_feed_submits_k_steps_ahead_least_loaded_and_hands_each_step_its_own_groups():
+    data, ranks = _Data(_Sampler(3)), _Ranks([0, 4])   # rank 1 already has 4 samples to generate
+    feed = StreamFeed(ranks, data, ahead=2, n=2, next_step=1, last_step=5, timeout_s=10)
+    assert feed.fill(1) == {"stream/submitted_groups": 9.0}   # steps 1, 2, 3
+    assert data.sampler.position == 0   # the run's sampler is untouched: it draws each step itself
+    # least loaded, group by group (n=2 samples each; a tie goes to the lower rank), loads read
+    # again before each step's prompts: [0, 4] -> u0, u1, u2 to rank 0 -> [6, 4] -> u3 to 1, u4 to
+    # 0, u5 to 1 -> [8, 8] -> u6 to 0, u7 to 1, u8 to 0
+    assert ranks.held == [["u0", "u1", "u2", "u4", "u6", "u8"], ["u3", "u5", "u7"]]
+    prompts = data.next_prompts(step=1, kl_coef=0.0)
+    figures = feed.take(1, prompts)
+    assert prompts.meta[STREAM_TAKE] == {0: ["u0", "u1", "u2"], 1: []}
+    assert ranks.waits == [[["u0", "u1", "u2"], []]]
+    assert figures["stream/rollout_busy_frac"] == 0.25 and figures["stream/queued_groups"] == 6 - 3
+    assert figures["stream/tokens_newest_version"] == 14.0
+    assert feed.fill(2) == {"stream/submitted_groups": 3.0}   # only step 4 is new
+    assert feed.fill(2) == {"stream/submitted_groups": 0.0}
+    assert feed.fill(4) == {"stream/submitted_groups": 3.0}   # step 5, the last: nothing beyond it
+    with pytest.raises(RuntimeError, match="diverged"):
+        feed.take(3, data.next_prompts(step=3, kl_coef=0.0))   # step 2's prompts, presented as step 3's
+
+
+def test_streaming_settings_are_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="placement.max_staleness=3 needs rollout.streaming=true"):
+        load_config(TOY, ["placement.max_staleness=3"])
+    with pytest.raises(ConfigError, match="rollout.streaming=true needs placement.mode=disaggregated"):
+        load_config(REPO / "configs" / "grpo_toy.yaml", ["rollout.streaming=true", f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="rollout.streaming=true needs rollout.engine=hf"):
+        load_config(TOY, ["rollout.streaming=true", "rollout.engine=vllm"])
+    cfg = load_config(TOY, ["rollout.streaming=true", "placement.max_staleness=4"])   # any k with streaming
+    assert cfg.placement.max_staleness == 4
+
+
+def test_a_workflow_whose_graph_does_not_take_streamed_rollouts_is_refused(tmp_path):
+    from raygraph.config.workflow_ref import load_workflow
+    from raygraph.graph.builder import GraphBuildError
+    from raygraph.run.graphs import build_graphs
+
+    cfg = load_config(REPO / "configs" / "toy" / "ppo.yaml", [f"trainer.output_dir={tmp_path}", "rollout.streaming=true",
+                                                              "placement.mode=disaggregated", "logging.mlflow=false"])
+    with pytest.raises(GraphBuildError, match="does not take streamed rollouts"):
+        build_graphs(cfg, load_workflow(cfg.workflow))
+
+
+# --- real runs under Ray ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from raygraph.models.tiny import build_tiny_lm
+
+    root = tmp_path_factory.mktemp("assets")
+    return {"model": build_tiny_lm(root / "tiny-lm"), "data": root / "toy"}
+
+
+def _overrides(assets, out_dir: Path, **extra) -> list[str]:
+    data = assets["data"]
+    overrides = {"model.path": assets["model"], "model.tiny": "null", "data.train_files": f"[{data / 'train.parquet'}]",
+                 "data.val_files": f"[{data / 'val.parquet'}]", "trainer.output_dir": out_dir,
+                 "logging.mlflow": "false", "data.val_prompts": 8, **extra}
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+# k=2 over two rollout ranks; an entropy bonus moves the policy although every reward is 0 (a
+# random tiny model), so older weights really sampled differently
+STREAM = {"rollout.streaming": "true", "placement.max_staleness": 2, "placement.rollout_workers": 2,
+          "actor.entropy_coef": 0.5, "actor.optim.lr": 0.01, "run_name": "stream", "trainer.save_every": 2,
+          "trainer.total_steps": 4, "checkpoint.save_hf": "false", "rollout.max_new_tokens": 12}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _data_order(cfg, steps) -> dict[int, list[str]]:
+    """The prompts a synchronous run trains at each step, computed without Ray."""
+    from raygraph.run.feed import StepData
+
+    data = StepData.load(cfg)
+    order = {s: list(data.next_prompts(step=s, kl_coef=0.0)[UID]) for s in range(1, max(steps) + 1)}
+    return {s: order[s] for s in steps}
+
+
+@pytest.fixture(scope="module")
+def stream_run(assets, tmp_path_factory, ray_local):
+    from raygraph.run.trainer import run
+
+    cfg = load_config(TOY, _overrides(assets, tmp_path_factory.mktemp("stream"), **STREAM))
+    return cfg, run(cfg)
+
+
+def test_a_streaming_run_trains_the_data_order_within_k_versions(stream_run):
+    cfg, summary = stream_run
+    rows = _metrics(summary.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert check_ledger(summary.run_dir, _data_order(cfg, range(1, 5))) == []   # none lost, none repeated
+    for step, row in enumerate(rows, start=1):
+        assert all(math.isfinite(v) for v in row.values())
+        assert row["rollout/samples"] == cfg.data.prompts_per_step * cfg.rollout.n   # whole groups
+        # step s's prompts went in at the start of step max(1, s - 2), with weights max(0, s - 3);
+        # step s updates version s - 1: lag at most min(s - 1, k) for every token and group
+        bound = min(step - 1, 2)
+        assert row["rollout/staleness_max"] <= bound
+        assert sum(v for k, v in row.items() if k.startswith("stream/token_staleness_") and k[-1].isdigit()
+                   and int(k.rsplit("_", 1)[1]) <= bound) == pytest.approx(1.0)
+        assert 0.0 <= row["stream/rollout_busy_frac"] <= 1.0 and 0.0 <= row["stream/trainer_idle_frac"] <= 1.0
+        # the next k steps' groups (none beyond the last step)
+        assert row["stream/queued_groups"] == cfg.data.prompts_per_step * min(2, 4 - step)
+    assert rows[3]["rollout/staleness_max"] == 2   # the bound is reached: the rollouts ran k steps ahead
+    assert any(r["rollout/is_weight_mean"] != 1.0 for r in rows[1:])   # stale tokens were importance-weighted
+
+
+def test_a_resumed_streaming_run_generates_the_groups_in_flight_again_and_loses_none(stream_run, assets, tmp_path):
+    """From step 2's checkpoint the groups of steps 3 and 4, generating when it was written, are
+    generated again; the ledger shows each prompt trained once, in the data order."""
+    from raygraph.run.trainer import run
+
+    cfg, summary = stream_run
+    resumed = run(load_config(TOY, _overrides(assets, tmp_path, **{
+        **STREAM, "trainer.resume": summary.run_dir / "checkpoints" / "step_2"})))
+    assert [r["step"] for r in _metrics(resumed.run_dir)] == [3, 4]
+    assert check_ledger(resumed.run_dir, _data_order(cfg, [3, 4])) == []
+    # generated again with the weights of the resume (version 2): step 3 lags 0, step 4 at most 1
+    lags = [r["rollout/staleness_max"] for r in _metrics(resumed.run_dir)]
+    assert lags[0] == 0.0 and lags[1] <= 1.0
