@@ -43,7 +43,7 @@ from raygraph.workers.streaming import StreamedSamples, StreamLoop
 
 __all__ = [
     "RolloutEngine", "load_checkpoint", "prefetch", "prefetch_next", "reseed", "save_checkpoint",
-    "stream_load", "stream_stop", "stream_submit", "stream_take", "stream_wait", "take_or_generate",
+    "drain_stream", "stream_load", "stream_stop", "stream_submit", "stream_take", "stream_wait", "take_or_generate",
     "weight_version",
 ]
 
@@ -152,8 +152,8 @@ def load_checkpoint(self, path: str | Path) -> None:
 # ------------------------------------------------------------------------------ streaming (issue 26)
 # For an engine with `continue_samples` (`raygraph.workers.streaming.ContinueSamples`), `n`,
 # `micro_batch_size`, `tokenizer`, `partial_rollouts`, a `streamed` attribute (None until the
-# first submit), and the two `StreamLoop` takes from its `load_weights`: `_no_update` (a
-# threading.Event cleared while it loads) and `_wave_lock` (a threading.Lock it holds while it loads).
+# first submit), and `_no_update`, a threading.Event its `load_weights` clears while it waits
+# (`drain_stream`) and loads.
 
 
 def stream_submit(self, prompts: Batch) -> dict[str, float]:
@@ -162,8 +162,7 @@ def stream_submit(self, prompts: Batch) -> dict[str, float]:
     if self.streamed is None:
         self.streamed = StreamedSamples(self.n, self.tokenizer.pad_token_id)
         self._stream_loop = StreamLoop(self.streamed, self.continue_samples, lambda: self._weight_version,
-                                       self.micro_batch_size, self._no_update,
-                                       None if self.partial_rollouts else self._wave_lock)
+                                       self.micro_batch_size, self._no_update, partial=self.partial_rollouts)
         self._stream_clock = (time.perf_counter(), 0.0)
     self._stream_loop.check()
     return {"rollout/stream_submitted": float(self.streamed.submit(prompts))}
@@ -217,6 +216,15 @@ def stream_take(self, batch: Batch) -> Batch:
     out = rows.with_columns(**{RESPONSE_TEXT: column})
     out.meta = {k: v for k, v in batch.meta.items() if k not in (STREAM_TAKE, SHARD)}
     return out
+
+
+def drain_stream(self) -> None:
+    """Before a weight update without partial rollouts: wait until every started sample has
+    finished with the weights it started with (`StreamLoop`); nothing to wait for otherwise."""
+    if self.streamed is None or self.partial_rollouts:
+        return
+    while not self.streamed.drained(1.0):
+        self._stream_loop.check()
 
 
 def stream_stop(self) -> None:

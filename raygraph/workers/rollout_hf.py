@@ -125,7 +125,6 @@ class HFRolloutWorker:
         # held by each model call of a sampling loop and by `load_weights`: a streaming loop's
         # thread and a weight update never overlap (`raygraph.workers.streaming`)
         self._weights_lock = threading.Lock()
-        self._wave_lock = threading.Lock()   # taken first by `load_weights`; held by a wave without partial rollouts
         self._no_update = threading.Event()  # cleared while `load_weights` waits and loads: streaming waves yield
         self._no_update.set()
         self.partial_rollouts = partial_rollouts
@@ -290,9 +289,10 @@ class HFRolloutWorker:
             KeyError: a name that is not a parameter or buffer of this model.
             ValueError: a shape mismatch, naming the parameter.
         """
-        self._no_update.clear()   # a streaming wave ends at its next model call, and none starts
+        self._no_update.clear()   # streaming: partial waves end at their next model call, none starts
         try:
-            with self._wave_lock, self._weights_lock:   # never under a sampling loop's model call
+            rollout_engine.drain_stream(self)   # without partial rollouts: the started samples finish first
+            with self._weights_lock:   # never under a sampling loop's model call
                 return self._copy_weights(buckets, version)
         finally:
             self._no_update.set()

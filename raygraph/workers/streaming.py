@@ -11,10 +11,8 @@ weights that sampled it, so a sample that straddles updates is corrected token b
 
 `StreamedSamples` is the bookkeeping: which samples are unfinished, which groups are complete,
 how old each group's oldest token is. A group is handed out only whole (`take`), never split:
-GRPO and RLOO normalise over all n samples of a prompt. A group whose oldest token is more than
-`max_staleness` versions behind is **regenerated** (`requeue`: its tokens are dropped and its n
-samples start again with the weights of the moment), never dropped, so that no prompt of the
-data order is lost; `regenerated` counts them.
+GRPO and RLOO normalise over all n samples of a prompt. How far behind a group may be is the
+driver's to bound (`raygraph.run.streaming`: by when it submits, so nothing is ever dropped).
 
 Nothing here imports Ray; the engines (`raygraph.workers.rollout_hf`) own a `StreamedSamples`
 and a `StreamLoop`, and tests drive both with a real engine and no Ray.
@@ -26,7 +24,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +54,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)   # as sampled, one a token
     versions: list[int] = field(default_factory=list)     # weight version that sampled each token
     done: bool = False
+    in_wave: bool = False   # being continued by a wave (its tokens arrive when the wave ends)
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions, self.done = [], [], [], False
@@ -90,7 +88,6 @@ class StreamedSamples:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n, self.pad_id = n, pad_id
         self.groups: dict[str, tuple[Batch, list[Sample]]] = {}   # uid -> (prompt row, its n samples)
-        self.regenerated = 0
         self.tokens_per_version: Counter[int] = Counter()
         self.changed = threading.Condition()
 
@@ -113,11 +110,30 @@ class StreamedSamples:
             self.changed.notify_all()
         return len(uids)
 
-    def unfinished(self, limit: int) -> list[Sample]:
-        """Up to `limit` unfinished samples, oldest group first (a group's samples together)."""
+    def unfinished(self, limit: int, *, started: bool = False) -> list[Sample]:
+        """Up to `limit` unfinished samples, oldest group first (a group's samples together);
+        with `started`, only those that have tokens already."""
         with self.changed:
-            out = [s for _, samples in self.groups.values() for s in samples if not s.done]
+            out = [s for _, samples in self.groups.values() for s in samples
+                   if not s.done and (s.tokens or not started)]
         return out[:limit]
+
+    def claim(self, limit: int, *, started: bool = False) -> list[Sample]:
+        """`unfinished(limit, started=...)`, marked as in a wave until `extend` (see `drained`)."""
+        with self.changed:
+            wave = self.unfinished(limit, started=started)
+            for sample in wave:
+                sample.in_wave = True
+        return wave
+
+    def drained(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until no sample is half generated (in a wave, or started and not
+        finished)."""
+        with self.changed:
+            return self.changed.wait_for(
+                lambda: not any((s.tokens or s.in_wave) and not s.done
+                                for _, samples in self.groups.values() for s in samples),
+                timeout=timeout_s)
 
     def extend(self, samples: Sequence[Sample], continuations: Sequence[Continuation], version: int) -> None:
         """Append what a wave with the weights of `version` generated to each sample."""
@@ -126,7 +142,7 @@ class StreamedSamples:
                 sample.tokens += more.tokens
                 sample.logprobs += more.logprobs
                 sample.versions += [version] * len(more.tokens)
-                sample.done = more.done
+                sample.done, sample.in_wave = more.done, False
                 self.tokens_per_version[version] += len(more.tokens)
             self.changed.notify_all()
 
@@ -167,20 +183,6 @@ class StreamedSamples:
     def _ready_count(self) -> int:
         return sum(all(s.done for s in samples) for _, samples in self.groups.values())
 
-    def requeue(self, uids: Sequence[str]) -> int:
-        """Start these finished groups again from their prompts (too stale to train on). Returns how
-        many. Only finished groups: a sample in a wave must not lose its tokens under the wave."""
-        with self.changed:
-            open_ = [u for u in uids if not all(s.done for s in self.groups[u][1])]
-            if open_:
-                raise ValueError(f"groups {open_[:5]} are still generating; only finished groups are requeued")
-            for uid in uids:
-                for sample in self.groups[uid][1]:
-                    sample.restart()
-            self.regenerated += len(uids)
-            self.changed.notify_all()
-        return len(uids)
-
     def take(self, uids: Sequence[str], version: int) -> Batch:
         """Hand out these whole groups (and forget them) as rollout rows, n per prompt, in `uids` order.
 
@@ -219,24 +221,32 @@ class StreamedSamples:
 class StreamLoop:
     """A thread that keeps continuing the unfinished samples of `samples` in waves.
 
+    A wave takes up to `wave_rows` unfinished samples (oldest groups first) and decodes at most
+    `wave_tokens` tokens; then the next wave is formed again, so finished samples make room for
+    new ones (continuous batching, at the cost of one prefill of each continued sample a wave).
+
+    A weight update (the engine's `load_weights`) clears `no_update` while it waits and loads:
+
+    * partial rollouts: the running wave ends at its next model call and no wave starts until the
+      update has landed; unfinished samples then continue with the new weights.
+    * without (`partial=False`): waves go on with the samples already started, and no new sample
+      starts, until every started sample has finished (`StreamedSamples.drained`, which the
+      engine waits for before it loads); no sample mixes versions.
+
     Args:
         samples: the rank's streamed groups.
         continue_samples: the engine's (see `ContinueSamples`).
-        version: the engine's current weight version (read before each wave and between steps).
+        version: the engine's current weight version.
         wave_rows: samples per wave (the engine's micro-batch).
-        no_update: set while no weight update waits (the engine's `load_weights` clears it until
-            it has loaded): a wave ends at its next model call when it clears, and no wave starts
-            before it is set again, so an update never waits behind wave after wave.
-        wave_lock: without partial rollouts, a lock held for a whole wave, which then runs its
-            samples to the end; the engine's `load_weights` takes it too, so an update waits for
-            the running wave and no sample mixes versions. None (partial rollouts): a wave ends
-            at the next model call after an update, and its samples continue with the new weights.
+        no_update: set while no weight update waits (see above).
+        partial: partial rollouts.
+        wave_tokens: tokens a wave decodes at most.
     """
 
     def __init__(self, samples: StreamedSamples, continue_samples: ContinueSamples, version: Callable[[], int],
-                 wave_rows: int, no_update: threading.Event, wave_lock: AbstractContextManager | None = None) -> None:
+                 wave_rows: int, no_update: threading.Event, *, partial: bool = True, wave_tokens: int = 16) -> None:
         self.samples, self.continue_samples, self.version, self.wave_rows = samples, continue_samples, version, wave_rows
-        self.no_update, self.wave_lock = no_update, wave_lock
+        self.no_update, self.partial, self.wave_tokens = no_update, partial, wave_tokens
         self.error: BaseException | None = None
         self.waves = 0
         self.busy_s = 0.0   # seconds spent in waves (the rank's generation time)
@@ -250,15 +260,15 @@ class StreamLoop:
                 with self.samples.changed:
                     self.samples.changed.wait_for(lambda: self._stop.is_set() or self.samples.in_flight() > 0,
                                                   timeout=1.0)
-                wave = self.samples.unfinished(self.wave_rows)
-                if not wave or self._stop.is_set():
+                updating = not self.no_update.is_set()
+                wave = [] if updating and self.partial else self.samples.claim(self.wave_rows, started=updating)
+                if not wave:
+                    if updating:
+                        self.no_update.wait(1.0)
                     continue
-                self.no_update.wait()
                 start = time.perf_counter()
-                with self.wave_lock or nullcontext():
-                    version = self.version()
-                    keep_going = self._same_weights(version) if self.wave_lock is None else self._running
-                    more = self.continue_samples(wave, version, keep_going)
+                version = self.version()
+                more = self.continue_samples(wave, version, self._keep_going(version))
                 self.samples.extend(wave, more, version)
                 self.waves += 1
                 self.busy_s += time.perf_counter() - start
@@ -267,12 +277,14 @@ class StreamLoop:
             with self.samples.changed:
                 self.samples.changed.notify_all()
 
-    def _running(self) -> bool:
-        return not self._stop.is_set()
-
-    def _same_weights(self, version: int) -> Callable[[], bool]:
-        """True while the loop runs and the engine still holds the weights of `version`."""
-        return lambda: not self._stop.is_set() and self.version() == version and self.no_update.is_set()
+    def _keep_going(self, version: int) -> Callable[[], bool]:
+        """Asked before each model call of a wave: stop at `wave_tokens` calls, at a stop, and
+        (partial rollouts) when an update waits or has landed."""
+        calls = iter(range(self.wave_tokens))
+        if self.partial:
+            return lambda: (next(calls, None) is not None and not self._stop.is_set()
+                            and self.no_update.is_set() and self.version() == version)
+        return lambda: next(calls, None) is not None and not self._stop.is_set()
 
     def check(self) -> None:
         """Raise the loop's error, if it died, in the caller's thread."""

@@ -129,21 +129,18 @@ def test_groups_are_taken_only_whole_and_once(tiny_model_path):
         streamed.submit(_prompts(["b"]))
 
 
-def test_a_stale_group_is_regenerated_from_its_prompt_and_counted():
+def test_ready_groups_carry_the_version_of_their_oldest_token():
     streamed = StreamedSamples(n=2, pad_id=0)
-    streamed.submit(_prompts(["a", "b"]))
-    wave = streamed.unfinished(4)
-    streamed.extend(wave[:2], [Continuation([5], [-0.3], True)] * 2, version=0)   # "a" at v0
-    streamed.extend(wave[2:], [Continuation([6, 7], [-0.1, -0.2], True)] * 2, version=3)   # "b" at v3
-    assert streamed.ready() == {"a": 0, "b": 3}
-    streamed.submit(_prompts(["c"]))
-    with pytest.raises(ValueError, match="still generating"):
-        streamed.requeue(["c"])
-    assert streamed.requeue(["a"]) == 1 and streamed.regenerated == 1
-    assert streamed.ready() == {"b": 3}
-    restarted = streamed.unfinished(4)[:2]   # "a" again, before "c"
-    assert all(s.tokens == [] and s.versions == [] for s in restarted)
-    assert streamed.tokens_per_version == {0: 2, 3: 4}
+    streamed.submit(_prompts(["a", "b", "c"]))
+    wave = streamed.unfinished(6)
+    streamed.extend(wave[:2], [Continuation([5], [-0.3], True)] * 2, version=0)              # "a" at v0
+    streamed.extend(wave[2:4], [Continuation([6, 7], [-0.1, -0.2], False)] * 2, version=1)  # "b" starts at v1
+    streamed.extend(wave[2:4], [Continuation([8], [-0.4], True)] * 2, version=3)            # ... ends at v3
+    assert streamed.ready() == {"a": 0, "b": 1} and streamed.in_flight() == 2
+    assert streamed.unfinished(6, started=True) == [] and len(streamed.unfinished(6)) == 2   # "c" not started
+    assert streamed.tokens_per_version == {0: 2, 1: 4, 3: 2}
+    rows = streamed.take(["b"], version=3)
+    assert rows[TOKEN_WEIGHT_VERSION].tolist() == [[1, 1, 3]] * 2 and rows[STALENESS].tolist() == [2, 2]
 
 
 def test_the_background_loop_takes_weights_that_land_mid_request(tiny_model_path):
@@ -191,9 +188,10 @@ def test_the_background_loop_takes_weights_that_land_mid_request(tiny_model_path
         [r[m].tolist() for r, m in zip(rows[RESPONSES], mask)], skip_special_tokens=True)
 
 
-def test_without_partial_rollouts_an_update_waits_for_the_running_wave(tiny_model_path):
-    """partial_rollouts=false: the update lands only between waves, so no sample mixes versions,
-    and each sample's log-probs are those of its one version."""
+def test_without_partial_rollouts_an_update_waits_for_the_started_samples(tiny_model_path):
+    """partial_rollouts=false: the update lands once the samples started before it have finished
+    (waves of 16 tokens go on with them, and start no other), so no sample mixes versions and
+    each sample's log-probs are those of its one version."""
     import threading
 
     worker = _worker(tiny_model_path, n=2)
@@ -205,7 +203,7 @@ def test_without_partial_rollouts_an_update_waits_for_the_running_wave(tiny_mode
     try:
         assert reached.wait(30)
         new = _perturbed(worker.model, seed=1)
-        worker.load_weights([new], version=1)   # waits for the first wave (4 samples) to end
+        worker.load_weights([new], version=1)   # waits for the 4 samples of the first wave to finish
         assert worker.stream_wait(uids, timeout_s=60)["ready"] == 1.0
         rows = worker.stream_take(Batch(meta={STREAM_TAKE: {0: uids}}))
     finally:
