@@ -14,6 +14,7 @@ import torch
 from raygraph.batch import PROMPT_IDS, PROMPT_MASK, STREAM_TAKE, UID, Batch
 from raygraph.config import ConfigError, load_config
 from raygraph.run.ledger import check_ledger
+from raygraph.run.role_specs import WORKER_ARGS
 from raygraph.run.streaming import StreamFeed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,10 +97,13 @@ def test_streaming_settings_are_checked_before_anything_starts(tmp_path):
         load_config(TOY, ["placement.max_staleness=3"])
     with pytest.raises(ConfigError, match="rollout.streaming=true needs placement.mode=disaggregated"):
         load_config(REPO / "configs" / "grpo_toy.yaml", ["rollout.streaming=true", f"trainer.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match="rollout.streaming=true needs rollout.engine=hf"):
-        load_config(TOY, ["rollout.streaming=true", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rollout.streaming=true needs rollout.agent=null"):
+        load_config(REPO / "configs" / "demo_multiturn.yaml", ["rollout.streaming=true", f"trainer.output_dir={tmp_path}"])
     cfg = load_config(TOY, ["rollout.streaming=true", "placement.max_staleness=4"])   # any k with streaming
     assert cfg.placement.max_staleness == 4
+    assert WORKER_ARGS["rollout"](cfg, "rollout")["partial_rollouts"] is True
+    cfg = load_config(TOY, ["rollout.streaming=true", "rollout.partial_rollouts=false"])
+    assert WORKER_ARGS["rollout"](cfg, "rollout")["partial_rollouts"] is False
 
 
 def test_a_workflow_whose_graph_does_not_take_streamed_rollouts_is_refused(tmp_path):
@@ -192,3 +196,20 @@ def test_a_resumed_streaming_run_generates_the_groups_in_flight_again_and_loses_
     # generated again with the weights of the resume (version 2): step 3 lags 0, step 4 at most 1
     lags = [r["rollout/staleness_max"] for r in _metrics(resumed.run_dir)]
     assert lags[0] == 0.0 and lags[1] <= 1.0
+
+
+def test_a_streaming_run_on_the_vllm_engine_trains_the_data_order_within_k_versions(assets, tmp_path, ray_local):
+    """The vLLM CPU engine streams too: its waves run in the rollout actor's loop thread beside the
+    actor's own calls (weight syncs, validation), under one lock."""
+    pytest.importorskip("vllm")
+    from raygraph.run.trainer import run
+
+    cfg = load_config(TOY, _overrides(assets, tmp_path, **{**STREAM, "rollout.engine": "vllm",
+                                                           "placement.rollout_workers": 1, "trainer.total_steps": 3,
+                                                           "rollout.max_new_tokens": 24}))
+    summary = run(cfg)
+    rows = _metrics(summary.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert check_ledger(summary.run_dir, _data_order(cfg, range(1, 4))) == []
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0]   # the k=2 lead, built up
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-4   # fresh rows: vLLM's log-probs are the policy's

@@ -161,8 +161,6 @@ def _streaming(cfg: RaygraphConfig) -> list[str]:
         return []
     needs = [(cfg.placement.mode == "disaggregated", "placement.mode=disaggregated (rollout ranks of their own "
                                                      "generate while the policy trains)"),
-             (cfg.resolved_rollout_engine == "hf", f"rollout.engine=hf (the vLLM engine does not stream yet; this "
-                                                   f"config resolves to {cfg.resolved_rollout_engine})"),
              (cfg.rollout.agent is None, "rollout.agent=null (multi-turn episodes do not stream yet)"),
              (cfg.model.lora is None, "model.lora=null (adapter syncs do not stream yet)"),
              (cfg.actor.old_logprobs != "rollout", "actor.old_logprobs=auto or recompute (streamed tokens may "

@@ -119,7 +119,7 @@ def _rollout_args(cfg) -> dict:
                 "max_model_len": r.max_model_len or longest,
                 "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
                 "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps,
-                "engine_core": r.vllm_engine_core,
+                "engine_core": r.vllm_engine_core, "partial_rollouts": r.partial_rollouts,
                 **_lora_args(cfg)}
     hf = {"attn_impl": cfg.model.attn_impl, "micro_batch_size": r.micro_batch_size,
           "partial_rollouts": r.partial_rollouts}

@@ -39,7 +39,7 @@ from raygraph.batch import (
 )
 from raygraph.models.lora import LoraSpec
 from raygraph.workers.rollout_output import no_rollouts
-from raygraph.workers.streaming import StreamedSamples, StreamLoop
+from raygraph.workers.streaming import WAVE_TOKENS, StreamedSamples, StreamLoop
 
 __all__ = [
     "RolloutEngine", "load_checkpoint", "prefetch", "prefetch_next", "reseed", "save_checkpoint",
@@ -151,7 +151,7 @@ def load_checkpoint(self, path: str | Path) -> None:
 
 # ------------------------------------------------------------------------------ streaming (issue 26)
 # For an engine with `continue_samples` (`raygraph.workers.streaming.ContinueSamples`), `n`,
-# `micro_batch_size`, `tokenizer`, `partial_rollouts`, a `streamed` attribute (None until the
+# `stream_wave_rows` (samples a wave takes at most), `tokenizer`, `partial_rollouts`, a `streamed` attribute (None until the
 # first submit), and `_no_update`, a threading.Event its `load_weights` clears while it waits
 # (`drain_stream`) and loads.
 
@@ -162,7 +162,8 @@ def stream_submit(self, prompts: Batch) -> dict[str, float]:
     if self.streamed is None:
         self.streamed = StreamedSamples(self.n, self.tokenizer.pad_token_id)
         self._stream_loop = StreamLoop(self.streamed, self.continue_samples, lambda: self._weight_version,
-                                       self.micro_batch_size, self._no_update, partial=self.partial_rollouts)
+                                       self.stream_wave_rows, self._no_update, partial=self.partial_rollouts,
+                                       wave_tokens=WAVE_TOKENS)
         self._stream_clock = (time.perf_counter(), 0.0)
     self._stream_loop.check()
     return {"rollout/stream_submitted": float(self.streamed.submit(prompts))}

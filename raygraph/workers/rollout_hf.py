@@ -127,7 +127,7 @@ class HFRolloutWorker:
         self._weights_lock = threading.Lock()
         self._no_update = threading.Event()  # cleared while `load_weights` waits and loads: streaming waves yield
         self._no_update.set()
-        self.partial_rollouts = partial_rollouts
+        self.partial_rollouts, self.stream_wave_rows = partial_rollouts, micro_batch_size
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
         self.streamed = None   # StreamedSamples, made by the first `stream_submit`
         self.agent = None if agent is None else agent_loop(agent, self.tokenizer, self.stop_token_ids, None)

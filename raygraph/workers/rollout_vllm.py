@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -58,6 +59,7 @@ from raygraph.workers.agent_dispatch import Dispatch, dispatch_tag
 from raygraph.workers.agent_rollout import VLLMTurns, agent_loop, generate_episodes, no_episodes
 from raygraph.workers.prefetch import PrefetchedRollouts
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
+from raygraph.workers.streaming import WAVE_TOKENS, Continuation, Sample
 from raygraph.workers.vllm_adapter import AdapterSlot
 
 __all__ = ["VLLMRolloutWorker"]
@@ -109,7 +111,8 @@ class VLLMRolloutWorker:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                  enable_sleep_mode: bool = False, enable_prefix_caching: bool | None = None,
                  enforce_eager: bool = True, max_num_seqs: int | None = None, lora: LoraSpec | None = None,
-                 lora_sync: str = "merged", agent: dict | None = None, engine_core: str = "auto") -> None:
+                 lora_sync: str = "merged", agent: dict | None = None, engine_core: str = "auto",
+                 partial_rollouts: bool = True) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use generate(greedy=True) for argmax), got {temperature}")
         if not 0.0 < top_p <= 1.0 or top_k < 0 or max_new_tokens < 1 or n < 1:
@@ -144,15 +147,25 @@ class VLLMRolloutWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self._weight_version = 0
         self.prefetched = PrefetchedRollouts()  # rollouts sampled ahead, by prompt uids
+        # streaming (`raygraph.workers.streaming`): every engine call holds the lock, so a
+        # streaming loop's wave and a weight update (or a validation) never overlap
+        self._weights_lock, self._no_update = threading.Lock(), threading.Event()
+        self._no_update.set()
+        self.streamed, self.partial_rollouts = None, partial_rollouts
+        self.stream_wave_rows = max_num_seqs or 256   # vLLM batches the wave's requests itself
 
     # seeding, pipelining and checkpoints: the same for every engine (`raygraph.workers.rollout_engine`)
     weight_version, reseed = rollout_engine.weight_version, rollout_engine.reseed
     prefetch, prefetch_next = rollout_engine.prefetch, rollout_engine.prefetch_next
     take_or_generate = rollout_engine.take_or_generate
     save_checkpoint, load_checkpoint = rollout_engine.save_checkpoint, rollout_engine.load_checkpoint
+    # streaming rollouts (`raygraph.workers.streaming`)
+    stream_submit, stream_load, stream_wait = rollout_engine.stream_submit, rollout_engine.stream_load, rollout_engine.stream_wait
+    stream_take, stream_stop = rollout_engine.stream_take, rollout_engine.stream_stop
 
     def close(self) -> None:
         """Stop the engine's processes (also happens when the worker is garbage-collected)."""
+        self.stream_stop()
         if self.agent is not None:
             self.agent.shutdown()
         vllm_compat.shutdown(self.engine)
@@ -204,11 +217,12 @@ class VLLMRolloutWorker:
                                               stop_token_ids=self.stop_token_ids, seed=s,
                                               temperature=(temperature or self.temperature) / self.temperature)
                   for s in seeds]
-        self._wake()
-        with vllm_compat.engine_guard(self._errors):
-            outputs = vllm_compat.generate_tokens(self.engine, prompts, params, lora=self._lora)
-        if self.enable_sleep_mode:
-            self.sleep()
+        with self._weights_lock:
+            self._wake()
+            with vllm_compat.engine_guard(self._errors):
+                outputs = vllm_compat.generate_tokens(self.engine, prompts, params, lora=self._lora)
+            if self.enable_sleep_mode:
+                self.sleep()
         width = max(len(tokens) for tokens, _ in outputs)
         responses = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.int64)
         response_mask = torch.zeros((len(rows), width), dtype=torch.int64)
@@ -219,6 +233,31 @@ class VLLMRolloutWorker:
             logprobs[i, :len(tokens)] = torch.tensor(token_logprobs, dtype=torch.float32)
         texts = self.tokenizer.batch_decode([tokens for tokens, _ in outputs], skip_special_tokens=True)
         return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
+
+    def continue_samples(self, samples: Sequence[Sample], version: int,
+                         keep_going) -> list[Continuation]:
+        """One streaming wave: each sample's token ids so far (prompt + response) as a token-id
+        prompt, at most `WAVE_TOKENS` more tokens each, with the weights held now. The wave runs
+        as one engine call under the weights lock, so a weight update waits for it (one wave)
+        and every token of it was sampled with `version`."""
+        prompts = [s.prompt_ids + s.tokens for s in samples]
+        left = [self.max_new_tokens - len(s.tokens) for s in samples]
+        if max(map(len, prompts)) + max(left) > self.max_model_len:
+            raise ValueError(f"a streamed sample would exceed the engine's max_model_len {self.max_model_len}")
+        seeds = torch.randint(0, 2**31 - 1, (len(samples),), generator=self.generator).tolist()
+        params = [vllm_compat.sampling_params(greedy=False, top_p=self.top_p, top_k=self.top_k,
+                                              max_tokens=min(k, WAVE_TOKENS), stop_token_ids=self.stop_token_ids,
+                                              seed=seed, temperature=1.0)
+                  for k, seed in zip(left, seeds)]
+        with self._weights_lock:
+            if not keep_going():
+                return [Continuation([], [], False) for _ in samples]
+            self._wake()
+            with vllm_compat.engine_guard(self._errors):
+                outputs = vllm_compat.generate_tokens(self.engine, prompts, params, lora=self._lora)
+        return [Continuation(list(tokens), [float(x) for x in lps],
+                             bool(tokens) and (tokens[-1] in self.stop_token_ids or len(tokens) >= k))
+                for (tokens, lps), k in zip(outputs, left)]
 
     # ------------------------------------------------------------------------------ weights
     def load_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
@@ -240,11 +279,14 @@ class VLLMRolloutWorker:
             ValueError: a shape mismatch, naming the parameter; or tensors missing at the end
                 (the engine's weights are then inconsistent: send a full update).
         """
-        if self._adapter is not None:
-            with vllm_compat.engine_guard(self._errors):
-                return self._load_adapter(buckets, version)
-        with vllm_compat.engine_guard(self._errors):
-            return self._load_full(buckets, version)
+        self._no_update.clear()   # streaming: no wave starts until the update has landed
+        try:
+            rollout_engine.drain_stream(self)   # without partial rollouts: the started samples finish first
+            with self._weights_lock, vllm_compat.engine_guard(self._errors):
+                return self._load_adapter(buckets, version) if self._adapter is not None else \
+                    self._load_full(buckets, version)
+        finally:
+            self._no_update.set()
 
     def _load_full(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         loaded, nbytes, seen = 0, 0, set()

@@ -42,7 +42,9 @@ from raygraph.batch import (
     Batch,
 )
 
-__all__ = ["Continuation", "Sample", "StreamLoop", "StreamedSamples"]
+__all__ = ["Continuation", "Sample", "StreamLoop", "StreamedSamples", "WAVE_TOKENS"]
+
+WAVE_TOKENS = 16   # tokens a wave decodes at most before the next wave is formed (continuous batching)
 
 
 @dataclass
@@ -244,7 +246,8 @@ class StreamLoop:
     """
 
     def __init__(self, samples: StreamedSamples, continue_samples: ContinueSamples, version: Callable[[], int],
-                 wave_rows: int, no_update: threading.Event, *, partial: bool = True, wave_tokens: int = 16) -> None:
+                 wave_rows: int, no_update: threading.Event, *, partial: bool = True,
+                 wave_tokens: int = WAVE_TOKENS) -> None:
         self.samples, self.continue_samples, self.version, self.wave_rows = samples, continue_samples, version, wave_rows
         self.no_update, self.partial, self.wave_tokens = no_update, partial, wave_tokens
         self.error: BaseException | None = None

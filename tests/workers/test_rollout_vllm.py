@@ -24,6 +24,7 @@ from raygraph.batch import (  # noqa: E402
     RESPONSES,
     ROLLOUT_LOGPROBS,
     STALENESS,
+    TOKEN_WEIGHT_VERSION,
     UID,
     WEIGHT_VERSION,
     Batch,
@@ -172,6 +173,41 @@ def test_load_weights_switches_the_running_engine_to_the_new_weights(worker, mod
     restored = worker.generate(prompts, greedy=True)
     assert torch.equal(restored[RESPONSES], before[RESPONSES])
     worker.load_weights(_buckets(old, per_bucket=100), version=0)
+
+
+def test_a_streamed_sample_continues_across_a_weight_update_with_each_tokens_version(worker, model_paths, prompts):
+    """Streaming (issue 26) on the vLLM CPU engine: a wave of at most 16 tokens with model a
+    (version 0), the update to model b mid-request, the rest with b from the same token ids. Each
+    token's log-prob is its own version's, recomputed by the policy's code at the sampling
+    temperature."""
+    from raygraph.workers.streaming import WAVE_TOKENS, StreamedSamples
+
+    streamed = StreamedSamples(n=8, pad_id=worker.tokenizer.pad_token_id)   # 24 samples: some outlive a wave
+    streamed.submit(prompts)
+    worker.max_new_tokens = 40
+    try:
+        wave = streamed.unfinished(100)
+        streamed.extend(wave, worker.continue_samples(wave, 0, lambda: True), version=0)
+        assert max(len(s.tokens) for s in wave) == WAVE_TOKENS
+        worker.load_weights(_buckets(model_paths[1]), version=1)
+        while streamed.in_flight():
+            wave = streamed.unfinished(100)
+            streamed.extend(wave, worker.continue_samples(wave, 1, lambda: True), version=1)
+        rows = streamed.take(list(prompts[UID]), version=1)
+    finally:
+        worker.max_new_tokens = SAMPLING["max_new_tokens"]
+        worker.load_weights(_buckets(model_paths[0], per_bucket=100), version=0)
+    mask, versions = rows[RESPONSE_MASK].bool(), rows[TOKEN_WEIGHT_VERSION]
+    mixed = [i for i in range(len(rows)) if {0, 1} <= set(versions[i][mask[i]].tolist())]
+    assert mixed, "no sample straddled the update"
+    for i in mixed:
+        length = int(mask[i].sum())
+        assert versions[i][:length].tolist() == [0] * WAVE_TOKENS + [1] * (length - WAVE_TOKENS)
+    expected = torch.where(versions == 0, _recomputed(model_paths[0], rows), _recomputed(model_paths[1], rows))
+    diff = (rows[ROLLOUT_LOGPROBS] - expected).abs()[mask]
+    assert diff.max() < TOLERANCE
+    late = mask & (versions == 1)
+    assert (_recomputed(model_paths[0], rows) - expected).abs()[late].max() > 1e-2   # the versions differ
 
 
 def test_a_corrupted_bucket_is_refused_by_the_transport_and_never_loaded(worker, model_paths, prompts, stop_ids):

@@ -195,7 +195,7 @@ def test_without_partial_rollouts_an_update_waits_for_the_started_samples(tiny_m
     import threading
 
     worker = _worker(tiny_model_path, n=2)
-    worker.partial_rollouts, worker.micro_batch_size, worker.max_new_tokens = False, 4, 48
+    worker.partial_rollouts, worker.stream_wave_rows, worker.max_new_tokens = False, 4, 48
     calls, reached = itertools.count(1), threading.Event()
     worker.model.register_forward_pre_hook(lambda *_: reached.set() if next(calls) == 3 else None)
     uids = [f"p{i}" for i in range(6)]
