@@ -196,9 +196,9 @@ class RolloutConfig(Section):
     streaming: bool = Field(False, description="Streaming rollouts (docs/streaming.md): the rollout ranks "
                                                "keep generating the next placement.max_staleness steps' "
                                                "prompts while the policy trains, and take each weight "
-                                               "update as it lands. Needs placement.mode=disaggregated, "
-                                               "the hf engine and a workflow whose graph takes streamed "
-                                               "rollouts (grpo, rloo, reinforce_pp).")
+                                               "update as it lands. Needs placement.mode=disaggregated "
+                                               "and a workflow whose graph takes streamed rollouts "
+                                               "(grpo, rloo, reinforce_pp).")
     partial_rollouts: bool = Field(True, description="Streaming: a weight update reaches requests in flight, "
                                                      "which continue from their token ids with the new "
                                                      "weights (each token records its version); false: "
