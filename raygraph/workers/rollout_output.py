@@ -17,18 +17,23 @@ from raygraph.batch import (
     Batch,
 )
 
-__all__ = ["rollout_rows", "no_rollouts"]
+__all__ = ["rollout_rows", "no_rollouts", "text_column"]
+
+
+def text_column(texts: Sequence[str]) -> np.ndarray:
+    """Strings as a Batch's non-tensor column (a 1-D object array, one cell a row)."""
+    column = np.empty(len(texts), dtype=object)
+    column[:] = list(texts)
+    return column
 
 
 def rollout_rows(rows: Batch, responses: torch.Tensor, response_mask: torch.Tensor, logprobs: torch.Tensor,
                  texts: Sequence[str], weight_version: int) -> Batch:
     """`rows` (the prompts, repeated n times) with the generated columns: `responses`,
     `response_mask`, `rollout_logprobs` (B, R), `response_length`, `response_text`, `weight_version`."""
-    text_column = np.empty(len(texts), dtype=object)
-    text_column[:] = list(texts)
     return rows.with_columns(**{
         RESPONSES: responses, RESPONSE_MASK: response_mask, RESPONSE_LENGTH: response_mask.sum(-1),
-        ROLLOUT_LOGPROBS: logprobs, RESPONSE_TEXT: text_column,
+        ROLLOUT_LOGPROBS: logprobs, RESPONSE_TEXT: text_column(texts),
         WEIGHT_VERSION: torch.full((len(rows),), weight_version, dtype=torch.int64),
     })
 

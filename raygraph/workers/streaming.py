@@ -58,9 +58,6 @@ class Sample:
     done: bool = False
     in_wave: bool = False   # being continued by a wave (its tokens arrive when the wave ends)
 
-    def restart(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.done = [], [], [], False
-
 
 @dataclass
 class Continuation:
@@ -160,12 +157,6 @@ class StreamedSamples:
         with self.changed:
             return sum(not s.done for _, samples in self.groups.values() for s in samples)
 
-    def wait_ready(self, groups: int, timeout_s: float) -> int:
-        """Block until at least `groups` groups are ready or `timeout_s` passed; the ready count."""
-        with self.changed:
-            self.changed.wait_for(lambda: self._ready_count() >= groups, timeout=timeout_s)
-            return self._ready_count()
-
     def wait_for(self, uids: Sequence[str], timeout_s: float) -> bool:
         """Block until every group of `uids` has finished or `timeout_s` passed; whether they all have.
 
@@ -181,9 +172,6 @@ class StreamedSamples:
 
         with self.changed:
             return self.changed.wait_for(finished, timeout=timeout_s)
-
-    def _ready_count(self) -> int:
-        return sum(all(s.done for s in samples) for _, samples in self.groups.values())
 
     def take(self, uids: Sequence[str], version: int) -> Batch:
         """Hand out these whole groups (and forget them) as rollout rows, n per prompt, in `uids` order.
