@@ -175,7 +175,8 @@ def test_the_keys_model_tiny_replaced_are_refused_with_the_new_spelling(tmp_path
     (with_(rollout={"xyz": 1}), "rollout.xyz is not a field; valid keys in rollout: engine, n, max_new_tokens, "
                                 "temperature, top_p, top_k, stop_token_ids, val_greedy, val_n, val_temperature, "
                                 "gpu_memory_utilization, max_model_len, tensor_parallel_size, enforce_eager, "
-                                "enable_prefix_caching, vllm_engine_core, sleep_between_steps, micro_batch_size, agent"),
+                                "enable_prefix_caching, vllm_engine_core, sleep_between_steps, micro_batch_size, agent, "
+                                "streaming, partial_rollouts"),
 ])
 def test_unknown_key_names_dotted_path_and_closest_key(data, message):
     assert problems(data) == [message]

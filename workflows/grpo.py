@@ -63,9 +63,10 @@ MAX_STALENESS = 1  # the largest placement.max_staleness this DAG implements wit
 def build(roles, cfg):
     """Build the per-step DAG; `cfg.algorithm.advantage` is one of ESTIMATORS (checked by the config)."""
     pipelined = cfg.placement.max_staleness > 0 and not cfg.rollout.streaming
-    take = "stream_take" if cfg.rollout.streaming else "take_or_generate" if pipelined else "generate"
     with InputNode() as prompts:
-        rollouts = roles.rollout.bind(take, first_round_prompts(roles, cfg, prompts))
+        rollouts = roles.rollout.bind(
+            "stream_take" if cfg.rollout.streaming else "take_or_generate" if pipelined else "generate",
+            first_round_prompts(roles, cfg, prompts))
         scored = roles.gather(rollouts, *rollout_columns(roles, cfg, rollouts))
         scored, shaping = shape_rollouts(roles, cfg, scored, prompts)   # DAPO options: the batch may change size
         batch = advantages(roles, cfg, scored, prompts)   # whole batch: per-group normalisation

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from raygraph.batch import (
@@ -38,8 +37,8 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.models.lora import LoraSpec
-from raygraph.workers.rollout_output import no_rollouts
-from raygraph.workers.streaming import WAVE_TOKENS, StreamedSamples, StreamLoop
+from raygraph.workers.rollout_output import no_rollouts, text_column
+from raygraph.workers.streaming import WAVE_TOKENS, Continuation, Sample, StreamedSamples, StreamLoop
 
 __all__ = [
     "RolloutEngine", "load_checkpoint", "prefetch", "prefetch_next", "reseed", "save_checkpoint",
@@ -87,6 +86,25 @@ class RolloutEngine(Protocol):
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore what `save_checkpoint` wrote (the weights come back from the policy)."""
+
+    def continue_samples(self, samples: Sequence[Sample], version: int,
+                         keep_going: Callable[[], bool]) -> list[Continuation]:
+        """Streaming: one wave, each sample continued from its token ids (`raygraph.workers.streaming`)."""
+
+    def stream_submit(self, prompts: Batch) -> dict[str, float]:
+        """Streaming: queue prompt groups; a background loop generates them."""
+
+    def stream_load(self) -> int:
+        """Streaming: samples submitted here and not finished."""
+
+    def stream_wait(self, uids: list[str], timeout_s: float) -> dict[str, float]:
+        """Streaming: wait for these groups to finish; this rank's streaming figures."""
+
+    def stream_take(self, batch: Batch) -> Batch:
+        """Streaming: the finished groups the driver assigned to this rank, as rollout rows."""
+
+    def stream_stop(self) -> None:
+        """Streaming: stop the background loop."""
 
 
 # ------------------------------------------------------------------------------ shared methods
@@ -212,9 +230,7 @@ def stream_take(self, batch: Batch) -> Batch:
     rows = self.streamed.take(uids, self._weight_version)
     texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(rows[RESPONSES], rows[RESPONSE_LENGTH])],
                                         skip_special_tokens=True)
-    column = np.empty(len(texts), dtype=object)
-    column[:] = texts
-    out = rows.with_columns(**{RESPONSE_TEXT: column})
+    out = rows.with_columns(**{RESPONSE_TEXT: text_column(texts)})
     out.meta = {k: v for k, v in batch.meta.items() if k not in (STREAM_TAKE, SHARD)}
     return out
 

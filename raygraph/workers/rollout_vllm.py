@@ -43,7 +43,7 @@ import functools
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -235,7 +235,7 @@ class VLLMRolloutWorker:
         return rollout_rows(rows, responses, response_mask, logprobs, texts, self._weight_version)
 
     def continue_samples(self, samples: Sequence[Sample], version: int,
-                         keep_going) -> list[Continuation]:
+                         keep_going: Callable[[], bool]) -> list[Continuation]:
         """One streaming wave: each sample's token ids so far (prompt + response) as a token-id
         prompt, at most `WAVE_TOKENS` more tokens each, with the weights held now. The wave runs
         as one engine call under the weights lock, so a weight update waits for it (one wave)

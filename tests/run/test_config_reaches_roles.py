@@ -94,6 +94,7 @@ ROWS = [
     ("hf", ["rollout.top_k=5"], {("rollout", "top_k"): 5}),
     ("hf", ["rollout.stop_token_ids=[3,4]"], {("rollout", "stop_token_ids"): (3, 4)}),
     ("hf", ["rollout.micro_batch_size=5"], {("rollout", "micro_batch_size"): 5}),
+    ("hf", ["rollout.partial_rollouts=false"], {("rollout", "partial_rollouts"): False}),
     ("hf", ["reward.function=word_problems"], {("reward", "function"): "word_problems"}),
     ("hf", ["reward.on_non_finite=zero"], {("reward", "on_non_finite"): "zero"}),
     ("hf", ["reward.workers=3"], {("reward", "workers"): 3}),
