@@ -90,8 +90,8 @@ class HFRolloutWorker:
         agent: multi-turn episodes instead of single responses: the `AgentLoop` arguments
             (`raygraph.agents.loop`, from `rollout.agent`); turns are generated in waves.
         partial_rollouts: streaming (`stream_submit`): a weight update lands between two decode
-            steps and unfinished samples continue with it (true), or waits for the running wave's
-            samples to finish (false); `raygraph.workers.streaming`.
+            steps and unfinished samples continue with it (true), or waits until the samples already
+            started have finished (false); `raygraph.workers.streaming`.
     """
 
     @staticmethod
