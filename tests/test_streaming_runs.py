@@ -198,18 +198,50 @@ def test_a_resumed_streaming_run_generates_the_groups_in_flight_again_and_loses_
     assert lags[0] == 0.0 and lags[1] <= 1.0
 
 
-def test_a_streaming_run_on_the_vllm_engine_trains_the_data_order_within_k_versions(assets, tmp_path, ray_local):
-    """The vLLM CPU engine streams too: its waves run in the rollout actor's loop thread beside the
-    actor's own calls (weight syncs, validation), under one lock."""
+def test_a_streaming_run_on_the_vllm_engine_with_lora_adapter_syncs_trains_the_data_order_within_k_versions(
+        assets, tmp_path, ray_local, capsys):
+    """The vLLM CPU engine streams too, here serving the policy's LoRA adapter: each sync loads a new
+    adapter while later steps' samples are generating. Its waves run in the rollout actor's loop
+    thread beside the actor's own calls (weight syncs, validation), under one lock."""
     pytest.importorskip("vllm")
     from raygraph.run.trainer import run
 
     cfg = load_config(TOY, _overrides(assets, tmp_path, **{**STREAM, "rollout.engine": "vllm",
                                                            "placement.rollout_workers": 1, "trainer.total_steps": 3,
-                                                           "rollout.max_new_tokens": 24}))
+                                                           "rollout.max_new_tokens": 24, "model.lora.rank": 4,
+                                                           "model.lora.alpha": 8}))
     summary = run(cfg)
+    assert "[raygraph] vLLM LoRA: adapter sync (" in capsys.readouterr().out
     rows = _metrics(summary.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert check_ledger(summary.run_dir, _data_order(cfg, range(1, 4))) == []
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0]   # the k=2 lead, built up
+    assert all(r["weights/bytes"] == r["weights/lora_sync_bytes"] < r["weights/full_bytes"] / 4 for r in rows)
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4   # fresh rows: vLLM's log-probs are the policy's
+    assert rows[-1]["actor/entropy"] != rows[0]["actor/entropy"]   # the adapter moved the policy
+
+
+def test_a_rollout_rank_killed_with_requests_in_flight_loses_nothing(assets, tmp_path, ray_local):
+    """kill -9 of a rollout rank while later steps' groups are generating on it: the run resumes
+    from its newest checkpoint (streaming recovers at run level), those groups are generated again,
+    and the ledger shows every prompt of the data order trained exactly once."""
+    from killer import Killer
+
+    from raygraph.run.trainer import run
+
+    cfg = load_config(TOY, _overrides(assets, tmp_path, **{**STREAM, "run_name": "killed", "trainer.save_every": 1,
+                                                           "trainer.max_restarts": 1, "trainer.resume": "auto"}))
+    run_dir = tmp_path / cfg.experiment / "killed"
+    killer = Killer(run_dir, f"{cfg.experiment}/killed/", "rollout", after_step=2)
+    summary = run(cfg)
+    assert killer.killed_at is not None and summary.steps_done == 4
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]   # each step once
+    # the ranks never caught up: when step 1 took its groups (before the kill), the samples of the
+    # next k steps were generating (measured: all 32 of them)
+    assert rows[0]["stream/in_flight"] > 0
+    failure, resumed = [json.loads(x) for x in (run_dir / "recoveries.jsonl").read_text().splitlines()]
+    assert failure["kind"] == "run" and killer.victim in failure["dead_actors"]
+    assert resumed["resumed_from"] in (1, 2)   # killed once step 2 trained: maybe before its checkpoint
+    assert check_ledger(run_dir, _data_order(cfg, range(1, 5))) == []   # none lost, none repeated
+    assert all(r["rollout/staleness_max"] <= min(s - 1, 2) for s, r in enumerate(rows, start=1))

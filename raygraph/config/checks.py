@@ -162,7 +162,6 @@ def _streaming(cfg: RaygraphConfig) -> list[str]:
     needs = [(cfg.placement.mode == "disaggregated", "placement.mode=disaggregated (rollout ranks of their own "
                                                      "generate while the policy trains)"),
              (cfg.rollout.agent is None, "rollout.agent=null (multi-turn episodes do not stream yet)"),
-             (cfg.model.lora is None, "model.lora=null (adapter syncs do not stream yet)"),
              (cfg.actor.old_logprobs != "rollout", "actor.old_logprobs=auto or recompute (streamed tokens may "
                                                    "come from older weights than the policy's)")]
     return [f"rollout.streaming=true needs {what}" for ok, what in needs if not ok]

@@ -8,18 +8,15 @@ One uninterrupted reference run per layout (module fixture); each chaos run kill
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from killer import Killer
 from safetensors.torch import load_file
 
 from raygraph.config import load_config
-from raygraph.run.ledger import check_ledger, effective_steps
+from raygraph.run.ledger import check_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = str(ROOT / "configs" / "grpo_toy.yaml")
@@ -68,32 +65,6 @@ def _expected_order(cfg) -> dict[int, list[str]]:
     return {s: list(data.next_prompts(step=s, kl_coef=0.0)[UID]) for s in range(1, STEPS + 1)}
 
 
-class _Killer:
-    """Kill -9 the process of the run's actor whose name contains `role` once `after_step` is in
-    the ledger; remembers when (to time the detection)."""
-
-    def __init__(self, run_dir: Path, run_prefix: str, role: str, after_step: int):
-        self.run_dir, self.prefix, self.role, self.after = run_dir, run_prefix, role, after_step
-        self.killed_at: float | None = None
-        self.victim = ""
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _watch(self):
-        import ray
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and self.killed_at is None:
-            if self.after in effective_steps(self.run_dir):
-                names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                         if a["name"].startswith(self.prefix) and self.role in a["name"]]
-                actor = ray.get_actor(sorted(names)[0])
-                pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-                os.kill(pid, signal.SIGKILL)
-                self.killed_at, self.victim = time.time(), sorted(names)[0]
-            time.sleep(0.05)
-
-
 def _recoveries(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
 
@@ -137,7 +108,7 @@ def test_a_killed_actor_is_recovered_and_nothing_is_lost(tmp_path, tiny_model_pa
 
     cfg = _cfg(tmp_path, tiny_model_path, toy_data, "chaos", *LAYOUTS[layout])
     run_dir = tmp_path / cfg.experiment / "chaos"
-    killer = _Killer(run_dir, f"{cfg.experiment}/chaos/", victim, after_step=2)
+    killer = Killer(run_dir, f"{cfg.experiment}/chaos/", victim, after_step=2)
     summary = run(cfg)
     assert killer.killed_at is not None, "the killer never fired"
     assert summary.steps_done == STEPS
@@ -235,7 +206,7 @@ def test_a_killed_reference_actor_is_restarted_alone(tmp_path, tiny_model_path, 
 
     cfg = _cfg(tmp_path, tiny_model_path, toy_data, "refkill", *LAYOUTS["own_reference"])
     run_dir = tmp_path / cfg.experiment / "refkill"
-    killer = _Killer(run_dir, f"{cfg.experiment}/refkill/", "reference", after_step=2)
+    killer = Killer(run_dir, f"{cfg.experiment}/refkill/", "reference", after_step=2)
     summary = run(cfg)
     assert killer.killed_at is not None and killer.victim == f"{cfg.experiment}/refkill/reference/0"
     assert summary.steps_done == STEPS
