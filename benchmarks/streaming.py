@@ -2,7 +2,7 @@
 and without partial rollouts, beside the synchronous step, in one invocation. Prints JSON.
 
     .venv/bin/python benchmarks/streaming.py --steps 10 --warmup 2 [--ks 0,1,2,4] [--preset small]
-        [--plot docs/img/streaming.png]
+        [--plot docs/img/streaming.png] [--engine vllm]
 
 The workload is the demo's task (configs/demo.yaml's data) on a random-init tiny model whose
 responses end at any of `--stop-ids` token ids besides eos: at random init each token ends a
@@ -66,13 +66,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--stop-ids", default="40,41,42,43,44,45", help="token ids (a-f of the tiny tokenizer)")
     parser.add_argument("--plot", default=None, help="write a PNG of samples/s per setting here")
+    parser.add_argument("--engine", default="hf", help="rollout.engine (hf or vllm)")
     args = parser.parse_args()
     base = [f"model.tiny={args.preset}", "trainer.warm_start=null", "trainer.val_every=0",
             "trainer.val_before_train=false", "data.val_files=[]", "trainer.save_every=0",
             "checkpoint.save_hf=false", "logging.mlflow=false", "actor.old_logprobs=auto",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.stop_token_ids=[{args.stop_ids}]",
             "data.prompts_per_step=16", "placement.mode=disaggregated", "placement.train_workers=1",
-            "placement.rollout_workers=2"]
+            "placement.rollout_workers=2", f"rollout.engine={args.engine}"]
     settings = [("synchronous", [])]
     for k in (int(x) for x in args.ks.split(",")):
         for partial in (True, False):
@@ -83,7 +84,7 @@ def main() -> None:
         results[name] = _run(base, extra, args.steps, args.warmup)
         print(f"[streaming bench] {name}: {results[name]['samples_per_s']:.1f} samples/s", flush=True)
     sync = results["synchronous"]["samples_per_s"]
-    out = {"preset": args.preset, "max_new_tokens": args.max_new_tokens, "stop_ids": args.stop_ids,
+    out = {"preset": args.preset, "engine": args.engine, "max_new_tokens": args.max_new_tokens, "stop_ids": args.stop_ids,
            "steps": args.steps, "warmup": args.warmup, "results": results,
            "speedup_vs_synchronous": {name: r["samples_per_s"] / sync for name, r in results.items()},
            "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs"}
