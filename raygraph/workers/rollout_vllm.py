@@ -242,8 +242,11 @@ class VLLMRolloutWorker:
         and every token of it was sampled with `version`."""
         prompts = [s.prompt_ids + s.tokens for s in samples]
         left = [self.max_new_tokens - len(s.tokens) for s in samples]
-        if max(map(len, prompts)) + max(left) > self.max_model_len:
-            raise ValueError(f"a streamed sample would exceed the engine's max_model_len {self.max_model_len}")
+        # each sample's own length: a long sample near its end beside a fresh one is fine
+        longest = max(len(p) + k for p, k in zip(prompts, left))
+        if longest > self.max_model_len:
+            raise ValueError(f"a streamed sample of {longest} tokens (prompt + max_new_tokens) would exceed the "
+                             f"engine's max_model_len {self.max_model_len}")
         seeds = torch.randint(0, 2**31 - 1, (len(samples),), generator=self.generator).tolist()
         params = [vllm_compat.sampling_params(greedy=False, top_p=self.top_p, top_k=self.top_k,
                                               max_tokens=min(k, WAVE_TOKENS), stop_token_ids=self.stop_token_ids,

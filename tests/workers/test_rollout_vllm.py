@@ -210,6 +210,26 @@ def test_a_streamed_sample_continues_across_a_weight_update_with_each_tokens_ver
     assert (_recomputed(model_paths[0], rows) - expected).abs()[late].max() > 1e-2   # the versions differ
 
 
+def test_a_wave_checks_each_streamed_samples_own_length_against_max_model_len(worker):
+    """A sample near its end (long prompt + tokens, few left) beside a fresh one (short prompt, all
+    max_new_tokens left) fits, though the longest ids plus the largest budget would not (a check
+    that mixed the two stopped a benchmark run); a sample that itself exceeds is refused."""
+    from raygraph.workers.streaming import Sample
+
+    room, budget = worker.max_model_len, 40
+    worker.max_new_tokens = budget
+    try:
+        near_end = Sample(prompt_ids=[10] * (room - budget), tokens=[11] * (budget - 4))
+        fresh = Sample(prompt_ids=[10] * 5)
+        late, new = worker.continue_samples([near_end, fresh], 0, lambda: True)
+        assert 1 <= len(late.tokens) <= 4 and 1 <= len(new.tokens) <= 16
+        too_long = Sample(prompt_ids=[10] * (room - budget + 1), tokens=[11] * (budget - 4))
+        with pytest.raises(ValueError, match="max_model_len"):
+            worker.continue_samples([too_long, fresh], 0, lambda: True)
+    finally:
+        worker.max_new_tokens = SAMPLING["max_new_tokens"]
+
+
 def test_a_corrupted_bucket_is_refused_by_the_transport_and_never_loaded(worker, model_paths, prompts, stop_ids):
     from raygraph.cluster.errors import WeightSyncError
     from raygraph.cluster.weights import InProcessTransport
