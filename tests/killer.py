@@ -25,7 +25,7 @@ class Killer:
     def _watch(self):
         import ray
 
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline and self.killed_at is None:
             if self.after in effective_steps(self.run_dir):
                 names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
