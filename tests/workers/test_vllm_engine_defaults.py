@@ -70,3 +70,21 @@ def test_a_null_memory_share_is_0_9_on_gpu(engine_args, monkeypatch):
     assert null["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in null
     assert set_["gpu_memory_utilization"] == 0.5
     assert null["enforce_eager"] is False and set_["enforce_eager"] is True   # passed on as given
+
+
+def test_a_cpu_engine_counts_token_ranks_eagerly_with_the_same_numbers(engine_args, monkeypatch):
+    """vLLM compiles its token-rank count with Inductor on an engine's first call (3.15 s of a
+    0.05 s first call on the CPU build, vllm_compat's docstring); a CPU engine counts eagerly."""
+    import torch
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than as compiled
+
+    monkeypatch.setattr(sampler, "batched_count_greater_than", compiled)   # restored after the test
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    _build(None)
+    assert sampler.batched_count_greater_than is not compiled
+    logprobs = torch.randn(5, 50).log_softmax(-1)
+    chosen = logprobs.gather(-1, torch.tensor([[0], [7], [49], [3], [3]]))
+    eager = sampler.batched_count_greater_than(logprobs, chosen)
+    assert torch.equal(eager, compiled._torchdynamo_orig_callable(logprobs, chosen))   # vLLM's own expression
+    assert eager.tolist() == [int((logprobs[i] >= chosen[i]).sum()) for i in range(5)]
