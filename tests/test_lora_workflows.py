@@ -5,6 +5,7 @@ collective group), checkpoints hold the merged export and the PEFT adapter, resu
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,17 @@ def test_grpo_with_kl_colocated_resumes_exactly(assets, tmp_path, ray_local):
     # the random tiny model earns no reward: an entropy bonus makes the adapters move
     common = {"run_name": "same", "trainer.save_every": 2, "placement.mode": "colocated",
               "trainer.executor": "interpreted", "actor.entropy_coef": 0.01}
-    _, whole = _run("toy/grpo_kl_loss.yaml", assets, tmp_path / "whole", **common, **{"trainer.total_steps": 4})
-    first, _ = _run("toy/grpo_kl_loss.yaml", assets, tmp_path / "split", **common)
+    first, whole = _run("toy/grpo_kl_loss.yaml", assets, tmp_path / "whole", **common, **{"trainer.total_steps": 4})
+    # the same run as if stopped after its step-2 checkpoint: a copy without step 4's checkpoint
+    # resumes there (one run fewer than stopping a run of its own after step 2)
+    split = tmp_path / "split" / first.run_dir.relative_to(tmp_path / "whole")
+    shutil.copytree(first.run_dir, split)
+    shutil.rmtree(split / "checkpoints" / "step_4")
     resumed, got = _run("toy/grpo_kl_loss.yaml", assets, tmp_path / "split", **common,
                         **{"trainer.total_steps": 4, "trainer.resume": "auto"})
+    assert resumed.run_dir == split and [r["step"] for r in got] == [1, 2, 3, 4]
+    # steps 3-4 were trained again, not read from the copy: their first lines moved aside
+    assert [json.loads(x)["step"] for x in (split / "metrics_redone.jsonl").read_text().splitlines()] == [3, 4]
     for row in got:
         _check_lora_step(row)
     assert any(k.startswith("perf/peak_rss_gb/policy+rollout+reward") for k in got[0])   # no reference

@@ -3,6 +3,7 @@ colocated with the rollout correction, disaggregated and asynchronous, and an ex
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -66,6 +67,8 @@ def test_disaggregated_async_vllm_trains_and_resumes_exactly(assets, tmp_path, r
     resumed = _rows(run(_cfg(assets, tmp_path / "split", **ASYNC,
                              **{"trainer.total_steps": 3, "trainer.resume": "auto"})))
     assert [r["step"] for r in resumed] == [1, 2, 3]
+    # step 3 was trained again, not read from the copy: its first line moved aside
+    assert [json.loads(x)["step"] for x in (split / "metrics_redone.jsonl").read_text().splitlines()] == [3]
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_length_mean",
                 "rollout/is_weight_mean", "weights/version"):
         assert resumed[2][key] == pytest.approx(whole[2][key], rel=1e-5, abs=1e-6), key
