@@ -36,17 +36,18 @@ _OWN_RAY = ("tests/jobs/", "tests/cluster/test_multinode.py",   # tests that sta
 # Tests that share one pytest worker beyond their module: the own-cluster tests run one after
 # another; the SmolLM2 users wait for one import of the model instead of one each.
 _GROUPS = {"own_ray": _OWN_RAY, "smollm2": ("tests/test_real_model.py", "tests/models/test_gguf.py")}
-# Groups by falling cost (measured with --durations): under xdist the longest start first, so the
+# Groups by falling cost (measured with --durations, 2026-12-06): under xdist the longest start first, so the
 # workers finish together. A module missing here runs after these; a stale order costs balance only.
 _SLOWEST_FIRST = (
-    "tests/run/test_chaos.py", "smollm2", "own_ray", "tests/test_workflows.py", "tests/test_vllm_training.py",
-    "tests/run/test_chaos_vllm.py", "tests/agents/test_agent_workflows.py", "tests/agents/test_agent_rollout.py",
-    "tests/cluster/test_runtime.py", "tests/test_lora_workflows.py", "tests/run/test_stop_exit_codes.py",
-    "tests/test_distill.py", "tests/test_dapo_rounds.py", "tests/test_async.py", "tests/agents/test_agent_chaos.py",
-    "tests/run/test_recovery_policy.py",
-    "tests/rewards/test_reward_pool.py", "tests/test_resume_runs.py", "tests/test_lora_vllm_training.py",
-    "tests/cluster/test_real_workers.py", "tests/test_cli.py", "tests/workers/test_lora_vllm.py",
-    "tests/workers/test_lora_vllm_adapter.py", "tests/workers/test_rollout_vllm.py",
+    "tests/run/test_chaos.py", "own_ray", "tests/test_workflows.py", "tests/test_streaming_runs.py",
+    "tests/agents/test_agent_workflows.py", "tests/run/test_chaos_vllm.py", "smollm2", "tests/test_lora_workflows.py",
+    "tests/run/test_stop_exit_codes.py", "tests/agents/test_agent_rollout.py", "tests/agents/test_agent_chaos.py",
+    "tests/test_vllm_training.py", "tests/run/test_recovery_policy.py", "tests/cluster/test_runtime.py",
+    "tests/test_dapo_rounds.py", "tests/test_distill.py", "tests/test_async.py", "tests/test_resume_runs.py",
+    "tests/rewards/test_reward_pool.py", "tests/agents/test_env_hosts.py", "tests/test_cli.py",
+    "tests/cluster/test_real_workers.py", "tests/test_lora_vllm_training.py", "tests/workers/test_engine_orphans.py",
+    "tests/workers/test_rollout_vllm.py", "tests/rewards/test_judge.py", "tests/agents/test_program_runs.py",
+    "tests/workers/test_lora_vllm.py", "tests/workers/test_lora_vllm_adapter.py",
     "tests/workers/test_vllm_seeded_batches.py", "tests/workers/test_vllm_weight_update.py",
 )
 
