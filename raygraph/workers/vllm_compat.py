@@ -155,10 +155,9 @@ def build_engine(*, model_path: str, dtype: str, seed: int, max_model_len: int |
         extra["enable_prefix_caching"] = enable_prefix_caching
     if max_lora_rank is not None:   # the smallest rank vLLM accepts that holds the adapter's
         extra.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in _LORA_RANKS if r >= max_lora_rank))
-    if current_platform.is_cpu():   # seeded rows + a chunked prefill kill the CPU engine (module docstring)
-        extra["enable_chunked_prefill"] = False
-    if current_platform.is_cpu():
-        _eager_token_ranks()
+    if current_platform.is_cpu():   # both in the module docstring
+        extra["enable_chunked_prefill"] = False   # seeded rows + a chunked prefill kill the CPU engine
+        _eager_token_ranks()   # no Inductor compilation in the first call
     if current_platform.is_cpu() and tensor_parallel_size == 1:   # the model in the engine core process
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 

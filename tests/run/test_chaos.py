@@ -279,6 +279,14 @@ HFRolloutWorker.save_checkpoint = _dying_save
 '''
 
 
+def _dying_reward(tmp: Path, run_dir: Path, *, in_step: int, after_update_in_step: int) -> str:
+    """The `reward.function` override of a DYING_REWARD written for `run_dir` (markers in `tmp`)."""
+    reward = tmp / "dying_reward.py"
+    reward.write_text(DYING_REWARD.format(run_dir=str(run_dir), markers=str(tmp), in_step=in_step,
+                                          after_update_in_step=after_update_in_step))
+    return f"reward.function={reward}:dying_reward"
+
+
 @pytest.fixture(scope="module")
 def colocated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> ChaosRun:
     tmp = tmp_path_factory.mktemp("chaos_colocated")
@@ -299,14 +307,13 @@ def disaggregated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) 
 
     tmp = tmp_path_factory.mktemp("chaos_disaggregated")
     run_dir = tmp / "grpo_toy" / "chaos"
-    reward, workflow, save = tmp / "dying_reward.py", tmp / "faulty_grpo.py", tmp / "dying_save.py"
-    reward.write_text(DYING_REWARD.format(run_dir=str(run_dir), markers=str(tmp), in_step=0, after_update_in_step=5))
+    workflow, save = tmp / "faulty_grpo.py", tmp / "dying_save.py"
     workflow.write_text(FAULTY_WORKFLOW.format(built=str(tmp / "built.marker")))
     save.write_text(DIE_DURING_THE_SAVE.format(marker=str(tmp / "in_the_save_of_step_2")))
     cfg = _cfg(tmp, tiny_model_path, toy_data, "chaos", *LAYOUTS["disaggregated"],
                f"workflow={workflow}:build", "workflow_args.corrupt_first_sync=true",
-               "workflow_args.score_after_update=true", f"reward.function={reward}:dying_reward",
-               f"plugins=[{save}]")
+               "workflow_args.score_after_update=true",
+               _dying_reward(tmp, run_dir, in_step=0, after_update_in_step=5), f"plugins=[{save}]")
     assert run_dir == tmp / cfg.experiment / "chaos"
     original_save = HFRolloutWorker.save_checkpoint   # the driver imports the plugin too
     try:
@@ -319,10 +326,8 @@ def disaggregated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) 
 def disaggregated_2x2_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> ChaosRun:
     tmp = tmp_path_factory.mktemp("chaos_disaggregated_2x2")
     run_dir = tmp / "grpo_toy" / "chaos"
-    reward = tmp / "dying_reward.py"
-    reward.write_text(DYING_REWARD.format(run_dir=str(run_dir), markers=str(tmp), in_step=3, after_update_in_step=0))
     cfg = _cfg(tmp, tiny_model_path, toy_data, "chaos", *LAYOUTS["disaggregated_2x2"],
-               f"reward.function={reward}:dying_reward")
+               _dying_reward(tmp, run_dir, in_step=3, after_update_in_step=0))
     prefix = f"{cfg.experiment}/chaos/"
     killers = {"reference": Killer(run_dir, prefix, "reference", after_step=3),
                "policy": Killer(run_dir, prefix, "policy", after_step=5)}
@@ -333,10 +338,8 @@ def disaggregated_2x2_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_loc
 def compiled_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> ChaosRun:
     tmp = tmp_path_factory.mktemp("chaos_compiled")
     run_dir = tmp / "grpo_toy" / "compiled"
-    reward = tmp / "dying_reward.py"
-    reward.write_text(DYING_REWARD.format(run_dir=str(run_dir), markers=str(tmp), in_step=3, after_update_in_step=0))
     cfg = _cfg(tmp, tiny_model_path, toy_data, "compiled", *LAYOUTS["disaggregated"],
-               "trainer.executor=compiled", f"reward.function={reward}:dying_reward")
+               "trainer.executor=compiled", _dying_reward(tmp, run_dir, in_step=3, after_update_in_step=0))
     return _run_capturing(cfg, run_dir, tmp, {})
 
 
