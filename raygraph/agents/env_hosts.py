@@ -1,7 +1,7 @@
 """Environments in processes of their own: `rollout.agent.env_hosts` Ray actors per rollout rank.
 
-    rollout rank r ──open/step/close──► env host 0 ┐  one placement group per rollout rank,
-                   ──open/step/close──► env host 1 ┘  one bundle of `env_host_cpus` CPUs per host
+    rollout rank r ──open/step/close──► env host 0 ┐  Ray actors of `env_host_cpus` CPUs each,
+                   ──open/step/close──► env host 1 ┘  owned by the rollout rank's actor
 
 Each host (`EnvHost`, a threaded Ray actor) holds the environments of many episodes, by key, and
 runs up to `env_workers` steps at once. A new episode goes to the host with the fewest open
@@ -9,7 +9,7 @@ environments (`EnvHosts.open`); all its steps go to that host. What this buys ov
 (environments in the rollout rank's threads, `raygraph.agents.reactions.LocalEnvs`):
 
 * CPU-heavy environments run beside the engine on CPUs of their own, not under the rollout
-  process's GIL, and on other nodes of a cluster when the placement group spreads them.
+  process's GIL, and on other nodes of a cluster where Ray schedules them there.
 * A step past `env_timeout_s` ends its episode and frees the rollout's thread at once (a Python
   thread cannot be stopped, a process can): its host is restarted when the rollout call ends, so a
   hung step never outlives it, and no number of hung steps can stall the rollout.
@@ -18,9 +18,11 @@ environments (`EnvHosts.open`); all its steps go to that host. What this buys ov
   rollout engine (the rollout actor is started again with fresh hosts and the step rerun; its
   samples are the same).
 
-The hosts are owned by the rollout actor that starts them, so they go with it (Ray ends an actor's
-children and placement groups when it dies). Steps are never retried by Ray (`max_task_retries=0`):
-a step changes its environment's state.
+The hosts are owned by the rollout actor that starts them, so they go with it: Ray ends an
+actor's children when it dies, and their CPUs are free again. (A placement group would not go with
+it: Ray keeps a group an actor made until the job ends, so each restarted rollout rank would leak
+its hosts' CPUs. Hence plain actors, each asking for `env_host_cpus`.) Steps are never retried by
+Ray (`max_task_retries=0`): a step changes its environment's state.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raygraph.agents.env import EnvStep, as_env_step, load_env
 from raygraph.agents.reactions import EnvHostDied, EnvStepTimeout, EventLoop, call_step, close_env
@@ -100,31 +100,30 @@ class EnvHosts:
 
     Args:
         env_ref, env_args: the environment and its constructor's keyword arguments.
-        count: hosts to start; cpus: CPUs of each (one placement-group bundle each).
+        count: hosts to start; cpus: CPUs of each.
         concurrency: calls one host runs at once: the rollout rank's reaction threads, plus
             `SPARE_THREADS` that steps past their time may hold until the host restarts.
         plugins: imported in each host first.
-        placement_timeout_s: how long to wait for the hosts' bundles.
+        placement_timeout_s: how long to wait for the hosts to be placed and started.
 
     Raises:
-        RaygraphError: the bundles could not be placed in time (the message says what was asked).
+        RaygraphError: the hosts could not be placed in time (the message says what was asked).
     """
     hosted = True
 
     def __init__(self, env_ref: str, env_args: Mapping[str, Any], *, count: int, cpus: float, concurrency: int,
                  plugins: tuple[str, ...] = (), placement_timeout_s: float = 60.0) -> None:
-        self.pg = placement_group([{"CPU": cpus}] * count, strategy="PACK")
-        if not self.pg.wait(placement_timeout_s):
-            remove_placement_group(self.pg)
-            raise RaygraphError(f"rollout.agent.env_hosts={count} hosts of env_host_cpus={cpus:g} CPUs could not be "
-                                f"placed within {placement_timeout_s:g}s: the cluster has no room for them; "
-                                "lower env_hosts or env_host_cpus, or add nodes")
         remote = ray.remote(EnvHost)
         self.actors = [remote.options(
             num_cpus=cpus, max_concurrency=concurrency + SPARE_THREADS, max_restarts=-1, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote(env_ref, dict(env_args), tuple(plugins)) for i in range(count)]
-        self.pids = ray.get([a.pid.remote() for a in self.actors])   # a host that cannot start fails here
+        ).remote(env_ref, dict(env_args), tuple(plugins)) for _ in range(count)]
+        try:   # a host that cannot start fails here
+            self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=placement_timeout_s)
+        except GetTimeoutError:
+            self.shutdown()
+            raise RaygraphError(f"rollout.agent.env_hosts={count} hosts of env_host_cpus={cpus:g} CPUs could not be "
+                                f"placed within {placement_timeout_s:g}s: the cluster has no room for them; "
+                                "lower env_hosts or env_host_cpus, or add nodes") from None
         self.load = [0] * count
         self._lock, self._next_key, self._hung = threading.Lock(), 0, set()
 
@@ -204,4 +203,3 @@ class EnvHosts:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(self.pg)

@@ -146,3 +146,62 @@ def test_env_hosts_without_an_environment_is_a_config_error():
     load_config(demo, tools_only)
     with pytest.raises(ConfigError, match="rollout.agent.env_hosts hosts environments: set rollout.agent.env"):
         load_config(demo, [*tools_only, "rollout.agent.env_hosts=2"])
+
+
+def _free_cpus(ray, expected: float, timeout_s: float = 20.0) -> float:
+    """The cluster's available CPUs once they equal `expected` (or at `timeout_s`)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (free := ray.available_resources().get("CPU", 0.0)) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
+def _settled_free_cpus(ray, quiet_s: float = 2.0, timeout_s: float = 30.0) -> float:
+    """The cluster's available CPUs once unchanged for `quiet_s` (earlier tests' kills are asynchronous)."""
+    import time
+
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        free = ray.available_resources().get("CPU", 0.0)
+        if free != last:
+            last, since = free, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.2)
+    return last
+
+
+def test_a_killed_rollout_rank_frees_its_env_hosts_cpus(env_ref, tmp_path, ray_local):
+    """A rollout rank killed or restarted (stage recovery) takes its hosts and their CPUs with it:
+    the hosts were once in a placement group, which Ray keeps until the job ends, so each restart
+    leaked its hosts' CPUs until the cluster was full."""
+    class Owner:   # a stand-in rollout rank: it starts env hosts, as a rollout actor does (defined here: pickled by value)
+        def __init__(self, env_ref: str, out: str) -> None:
+            from raygraph.agents.env_hosts import EnvHosts
+
+            self.hosts = EnvHosts(env_ref, {"out": out}, count=2, cpus=0.5, concurrency=1)
+
+        def host_pids(self) -> list[int]:
+            return list(self.hosts.pids)
+
+    ray = ray_local
+    before = _settled_free_cpus(ray)
+    owner = ray.remote(num_cpus=0)(Owner).remote(env_ref, str(tmp_path))
+    assert len(set(ray.get(owner.host_pids.remote()))) == 2
+    assert _free_cpus(ray, before - 1.0) == before - 1.0   # 2 hosts x 0.5 CPU
+    ray.kill(owner, no_restart=True)
+    assert _free_cpus(ray, before) == before, "the killed rank's env hosts still hold their CPUs"
+
+
+def test_env_hosts_the_cluster_cannot_place_fail_in_time_and_hold_nothing(env_ref, tmp_path, ray_local):
+    from raygraph.agents.env_hosts import EnvHosts
+    from raygraph.errors import RaygraphError
+
+    ray = ray_local
+    before = _settled_free_cpus(ray)
+    with pytest.raises(RaygraphError, match=r"env_hosts=2 hosts of env_host_cpus=64 CPUs could not be placed "
+                                            r"within 2s: .*lower env_hosts or env_host_cpus, or add nodes"):
+        EnvHosts(env_ref, {"out": str(tmp_path)}, count=2, cpus=64, concurrency=1, placement_timeout_s=2)
+    assert _free_cpus(ray, before) == before

@@ -22,6 +22,23 @@ def _specs(d, policy_world=2, rollout_world=2):
             "reward": RoleSpec(d.Reward, {}, world_size=1, pool="train")}
 
 
+def test_actor_threads_follow_its_cpu_share(dummies):
+    """torch intra-op threads = the actor's whole CPUs: 2 alone in a 2-CPU bundle, 1 when two
+    actors share it; an explicit OMP_NUM_THREADS wins. The driver's OMP_WAIT_POLICY (the suite sets
+    PASSIVE, tests/conftest.py) reaches the actors, as docs/benchmarks.md tells shared machines to do.
+    First in the file: its 2-CPU bundle needs room that the module's layouts (5 of the 8 CPUs) take."""
+    pools = {"p": PoolSpec(bundles=1, cpus_per_bundle=2.0)}
+    alone = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p")}
+    with build_roles("test-runtime/threads", pools, alone) as roles:
+        env = roles.policy.call_rank0("env")
+        assert env["OMP_NUM_THREADS"] == "2" and env["OMP_WAIT_POLICY"] == os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    shared = {**alone, "rollout": RoleSpec(dummies.Rollout, {}, world_size=1, pool="p")}
+    with build_roles("test-runtime/threads2", pools, shared, weight_sync=[("policy", "rollout")]) as roles:
+        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "1"
+    with build_roles("test-runtime/threads3", pools, alone, env_vars={"OMP_NUM_THREADS": "3"}) as roles:
+        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "3"
+
+
 @pytest.fixture(scope="module")
 def layouts(dummies):
     pools = {"train": PoolSpec(bundles=2, cpus_per_bundle=1.0)}
@@ -296,22 +313,6 @@ def test_compiled_step_longer_than_rays_get_timeout(layouts, dummies):
         assert executor.run(1.5) == [[1.5, 1.5]]
     finally:
         executor.teardown()
-
-
-def test_actor_threads_follow_its_cpu_share(dummies):
-    """torch intra-op threads = the actor's whole CPUs: 2 alone in a 2-CPU bundle, 1 when two
-    actors share it; an explicit OMP_NUM_THREADS wins. The driver's OMP_WAIT_POLICY (the suite sets
-    PASSIVE, tests/conftest.py) reaches the actors, as docs/benchmarks.md tells shared machines to do."""
-    pools = {"p": PoolSpec(bundles=1, cpus_per_bundle=2.0)}
-    alone = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p")}
-    with build_roles("test-runtime/threads", pools, alone) as roles:
-        env = roles.policy.call_rank0("env")
-        assert env["OMP_NUM_THREADS"] == "2" and env["OMP_WAIT_POLICY"] == os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    shared = {**alone, "rollout": RoleSpec(dummies.Rollout, {}, world_size=1, pool="p")}
-    with build_roles("test-runtime/threads2", pools, shared, weight_sync=[("policy", "rollout")]) as roles:
-        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "1"
-    with build_roles("test-runtime/threads3", pools, alone, env_vars={"OMP_NUM_THREADS": "3"}) as roles:
-        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "3"
 
 
 @ray.remote(num_cpus=0)
