@@ -78,18 +78,25 @@ def test_workflow_runs_two_steps(config, shared_assets, tmp_path, ray_local):
 
 
 def test_resume_continues_exactly(shared_assets, tmp_path, ray_local):
-    """Stop after step 2, resume: steps 3-4 equal those of an uninterrupted 4-step run."""
+    """Stopped after step 2's checkpoint, resumed: steps 3-4 equal those of the uninterrupted
+    4-step run. The stopped run is a copy of that run without step 4's checkpoint (one run fewer
+    than stopping one; a finished run extended by total_steps: tests/test_resume_runs.py)."""
+    import shutil
+
     from raygraph.run.trainer import run
 
     config = REPO / "configs" / "grpo_toy.yaml"
-    common = {"run_name": "same", "trainer.val_every": 2, "trainer.save_every": 2}
+    common = {"run_name": "same", "trainer.val_every": 2, "trainer.save_every": 2, "checkpoint.keep_last": 0}
     whole = run(load_config(config, toy_overrides(shared_assets, tmp_path / "whole", **common,
                                                   **{"trainer.total_steps": 4})))
-    first = run(load_config(config, toy_overrides(shared_assets, tmp_path / "split", **common,
-                                                  **{"trainer.total_steps": 2})))
+    split = tmp_path / "split" / whole.run_dir.relative_to(tmp_path / "whole")
+    shutil.copytree(whole.run_dir, split)
+    shutil.rmtree(split / "checkpoints" / "step_4")
     resumed = run(load_config(config, toy_overrides(shared_assets, tmp_path / "split", **common,
                                                     **{"trainer.total_steps": 4, "trainer.resume": "auto"})))
-    assert first.run_dir == resumed.run_dir and resumed.steps_done == 4
+    assert resumed.run_dir == split and resumed.steps_done == 4
+    # steps 3-4 were trained again, not read from the copy: their first lines moved aside
+    assert [json.loads(x)["step"] for x in (split / "metrics_redone.jsonl").read_text().splitlines()] == [3, 4]
     expected, got = read_metrics(whole.run_dir), read_metrics(resumed.run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for a, b in zip(expected[2:], got[2:]):
