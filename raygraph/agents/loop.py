@@ -90,7 +90,7 @@ class AgentLoop:
             `env_hosts`, steps one host runs at once).
         env_hosts: Ray actors hosting the environments (`raygraph.agents.env_hosts`); 0: in
             this process, on the pool's threads.
-        env_host_cpus: CPUs of each host (its placement-group bundle).
+        env_host_cpus: CPUs of each host (a Ray actor owned by the rollout rank).
         plugins: the run's plugins, imported in each host.
         tool_role: the role of tool-result messages in the chat template ("tool").
         chat_template_kwargs: extra template variables (the data's; `tools=` is added here).

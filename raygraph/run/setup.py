@@ -205,7 +205,7 @@ def start_ray(cfg, address: str | None) -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
     bundle_cpus = sum(pool.bundles * pool.cpus_per_bundle for pool in pools_for(cfg).values())
     agent = cfg.rollout.agent
-    if agent is not None:   # the environment hosts' bundles (raygraph.agents.env_hosts), per rollout rank
+    if agent is not None:   # the environment hosts' CPUs (raygraph.agents.env_hosts), per rollout rank
         bundle_cpus += agent.env_hosts * agent.env_host_cpus * cfg.placement.rollout_workers
     # Logical CPUs may exceed physical cores so that small CPU layouts fit on a laptop.
     num_cpus = max(os.cpu_count() or 1, int(bundle_cpus + 2))
