@@ -258,6 +258,8 @@ import os
 import signal
 from pathlib import Path
 
+import ray
+
 from raygraph.workers.rollout_hf import HFRolloutWorker
 
 MARKER = Path({marker!r})
@@ -275,7 +277,8 @@ def _dying_save(self, path):
     return _save(self, path)
 
 
-HFRolloutWorker.save_checkpoint = _dying_save
+if ray.is_initialized() and ray.get_runtime_context().get_actor_id():   # in the actors, not in the driver
+    HFRolloutWorker.save_checkpoint = _dying_save   # (which imports plugins too, and runs later tests)
 '''
 
 
@@ -303,7 +306,6 @@ def colocated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> C
 
 @pytest.fixture(scope="module")
 def disaggregated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> ChaosRun:
-    from raygraph.workers.rollout_hf import HFRolloutWorker
 
     tmp = tmp_path_factory.mktemp("chaos_disaggregated")
     run_dir = tmp / "grpo_toy" / "chaos"
@@ -315,11 +317,18 @@ def disaggregated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) 
                "workflow_args.score_after_update=true",
                _dying_reward(tmp, run_dir, in_step=0, after_update_in_step=5), f"plugins=[{save}]")
     assert run_dir == tmp / cfg.experiment / "chaos"
-    original_save = HFRolloutWorker.save_checkpoint   # the driver imports the plugin too
-    try:
-        return _run_capturing(cfg, run_dir, tmp, {})
-    finally:
-        HFRolloutWorker.save_checkpoint = original_save
+    return _run_capturing(cfg, run_dir, tmp, {})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drivers_rollout_class_left_alone():
+    """The save-killing plugin patches the rollout class in the actors only: the driver (this pytest
+    worker, which imports a run's plugins too) runs later modules, whose tests must see the real one."""
+    from raygraph.workers.rollout_hf import HFRolloutWorker
+
+    real = HFRolloutWorker.save_checkpoint
+    yield
+    assert HFRolloutWorker.save_checkpoint is real, "a chaos plugin patched the driver's HFRolloutWorker"
 
 
 @pytest.fixture(scope="module")
