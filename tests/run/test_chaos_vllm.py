@@ -65,6 +65,8 @@ import signal
 import time
 from pathlib import Path
 
+import ray
+
 from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
 RUN, MARKER = Path({run!r}), Path({marker!r})
@@ -84,7 +86,8 @@ def _generate_with_a_dead_engine(self, batch, **kwargs):
     return _generate(self, batch, **kwargs)
 
 
-VLLMRolloutWorker.generate = _generate_with_a_dead_engine
+if ray.is_initialized() and ray.get_runtime_context().get_actor_id():   # in the actors, not in the driver
+    VLLMRolloutWorker.generate = _generate_with_a_dead_engine   # (which imports plugins too, and runs later tests)
 '''
 
 
@@ -107,12 +110,11 @@ def reference(tmp_path_factory, tiny_model_path, data, ray_local):
 
 @pytest.mark.timeout(900)   # two runs and three engine starts: 300 s on a loaded 2-core machine (2026-12-03)
 def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_path, tiny_model_path, ray_local,
-                                                                         data, reference, monkeypatch):
+                                                                         data, reference):
     from raygraph.run.trainer import run
     from raygraph.workers.rollout_vllm import VLLMRolloutWorker
 
-    # the driver imports the plugin too: the class gets its own method back after the test
-    monkeypatch.setattr(VLLMRolloutWorker, "generate", VLLMRolloutWorker.generate)
+    real_generate = VLLMRolloutWorker.generate   # the driver imports the plugin too, and must keep it
     run_dir, marker = tmp_path / "chaos" / "grpo_toy" / "chaos", tmp_path / "killed.json"
     plugin = tmp_path / "kill_the_engine.py"
     plugin.write_text(KILL_THE_ENGINE_IN_STEP_2.format(run=str(run_dir), marker=str(marker)))
@@ -123,6 +125,7 @@ def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_pa
                "rollout.vllm_engine_core=own_process")
     assert run_dir == tmp_path / "chaos" / cfg.experiment / "chaos"
     summary = run(cfg)
+    assert VLLMRolloutWorker.generate is real_generate, "the plugin patched the driver's VLLMRolloutWorker"
     killed = json.loads(marker.read_text())
     assert killed["victims"], "the engine was never killed"
     assert summary.steps_done == STEPS
