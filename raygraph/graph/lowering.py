@@ -5,7 +5,8 @@ sharded value goes rank-to-rank when world sizes match and is re-split otherwise
 shard travels between actors by object reference. When every role task runs in ONE actor
 (colocated roles, one rank), the plan is fused into a single task on that actor
 (`fuse_single_actor`): the coordinator's work runs there too and the intermediate values never
-leave its memory, so a step costs one task, not one per node.
+leave its memory, so a step costs one task, not one per node, and the run starts no coordinator
+actor at all (`Roles.coordinator` starts it on first use).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["Plan", "PhysOp", "lower", "fuse_single_actor"]
 
 INPUT = tasks.INPUT
+COORDINATOR_SITE = "coordinator"   # the key of the coordinator's ops in `Plan.sites` until it is bound
+
+
+class _Coordinator:
+    """Stands for the coordinator actor in a plan until the plan is known to need one (not fused)."""
 
 
 @dataclass
@@ -75,12 +81,12 @@ class _Lowerer:
     def emit(self, actor, task: tasks.Task, inputs: list[tuple], site: CallSite) -> list[tuple]:
         op = PhysOp(len(self.plan.ops), actor, task, inputs, site)
         self.plan.ops.append(op)
-        self.plan.sites[actor_id(actor)] = site
+        self.plan.sites[COORDINATOR_SITE if isinstance(actor, _Coordinator) else actor_id(actor)] = site
         return [(op.id, i) for i in range(task.n_out)]
 
     def coordinator(self, task: tasks.Task, inputs: list[tuple]) -> list[tuple]:
         site = CallSite("coordinator", 0, f"{self.roles.run_name}/coordinator")
-        return self.emit(self.roles.coordinator, task, inputs, site)
+        return self.emit(_Coordinator(), task, inputs, site)
 
     def group(self, role: str):
         if role not in self.roles.groups:
@@ -187,7 +193,20 @@ def lower(dag: DAGNode, roles: Roles, *, fuse: bool = True) -> Plan:
         raise ValueError("the DAG does not use its InputNode")
     if not low.uses_roles:
         raise ValueError("the DAG uses no role group")
-    return fuse_single_actor(low.plan) if fuse else low.plan
+    plan = fuse_single_actor(low.plan) if fuse else low.plan
+    return plan if plan.fused else _bind_coordinator(plan, roles)
+
+
+def _bind_coordinator(plan: Plan, roles: Roles) -> Plan:
+    """`plan` with its whole-batch ops on the run's coordinator actor (started now if it is not yet)."""
+    if COORDINATOR_SITE not in plan.sites:
+        return plan
+    actor = roles.coordinator
+    for op in plan.ops:
+        if isinstance(op.actor, _Coordinator):
+            op.actor = actor
+    plan.sites[actor_id(actor)] = plan.sites.pop(COORDINATOR_SITE)
+    return plan
 
 
 def fuse_single_actor(plan: Plan) -> Plan:

@@ -246,7 +246,11 @@ def single_actor(dummies):
 def test_single_actor_plan_runs_as_one_task_with_identical_results(single_actor, dummies, layouts):
     roles = single_actor
     dag = _rl_step(roles, dummies)
-    fused, unfused = Executor(dag, roles), Executor(dag, roles, fuse=False)
+    coordinator = "test-runtime/fused/coordinator"
+    fused = Executor(dag, roles)
+    assert coordinator not in ray.util.list_named_actors(), "a fused plan needs no coordinator actor"
+    unfused = Executor(dag, roles, fuse=False)   # whole-batch steps as tasks of their own: started now
+    assert coordinator in ray.util.list_named_actors()
     assert fused.plan.fused and len(fused.plan.ops) == 1 and not unfused.plan.fused
     assert len(unfused.plan.ops) > 8   # each node its own task (scatter, generate, score, ...)
     assert "rollout.generate" in fused.plan.describe() and "apply:advantages" in fused.plan.describe()

@@ -7,11 +7,12 @@ A run start costs seconds of actor start-up while a toy step costs milliseconds,
 share runs: one uninterrupted reference run per layout, and one run per layout that meets each of
 its faults in turn, at steps of its own (module fixtures; each test checks one fault's records):
 
-- colocated: a stage hangs in the first call (watchdog), the policy+rollout+reward process is
-  killed once step 2 is trained, the coordinator once step 4 is;
+- colocated (one process: its steps are fused into it and it starts no coordinator): a stage hangs
+  in the first call (watchdog), the policy+rollout+reward process is killed once step 2 is trained;
 - disaggregated, one policy and one rollout+reward process: step 1's weight sync fails its
-  checksum, the rollout rank dies in step 2's checkpoint save, and in step 5 after the policy
-  updated (each a run-level recovery: the small layout restarts fastest);
+  checksum, the rollout rank dies in step 2's checkpoint save, the coordinator is killed once
+  step 3 is trained, and the rollout rank dies in step 5 after the policy updated (each a
+  run-level recovery: the small layout restarts fastest);
 - disaggregated, two policy ranks, two rollout+reward ranks and the reference on a pool of its
   own with a KL loss: a rollout rank kills itself in step 3's reward stage, the reference is
   killed once step 3 is trained (both stage level), policy rank 0 once step 5 is;
@@ -299,8 +300,7 @@ def colocated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> C
                "trainer.step_timeout_s=12")
     run_dir = tmp / cfg.experiment / "chaos"
     prefix = f"{cfg.experiment}/chaos/"
-    killers = {"policy+rollout": Killer(run_dir, prefix, "policy+rollout", after_step=2),
-               "coordinator": Killer(run_dir, prefix, "coordinator", after_step=4)}
+    killers = {"policy+rollout": Killer(run_dir, prefix, "policy+rollout", after_step=2)}
     return _run_capturing(cfg, run_dir, tmp, killers)
 
 
@@ -317,7 +317,8 @@ def disaggregated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) 
                "workflow_args.score_after_update=true",
                _dying_reward(tmp, run_dir, in_step=0, after_update_in_step=5), f"plugins=[{save}]")
     assert run_dir == tmp / cfg.experiment / "chaos"
-    return _run_capturing(cfg, run_dir, tmp, {})
+    killers = {"coordinator": Killer(run_dir, f"{cfg.experiment}/chaos/", "coordinator", after_step=3)}
+    return _run_capturing(cfg, run_dir, tmp, killers)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -355,7 +356,7 @@ def compiled_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> Ch
 CHAOS_RUNS = {"colocated": "colocated_chaos", "disaggregated": "disaggregated_chaos",
               "disaggregated_2x2": "disaggregated_2x2_chaos", "compiled": "compiled_chaos"}
 # the kind of each recovery, in order (the faults of each run are listed in the module docstring)
-KINDS = {"colocated": ["run", "run", "run"], "disaggregated": ["run", "run", "run"],
+KINDS = {"colocated": ["run", "run"], "disaggregated": ["run", "run", "run", "run"],
          "disaggregated_2x2": ["stage", "stage", "run"], "compiled": ["run"]}
 
 
@@ -384,7 +385,7 @@ def test_each_chaos_run_trains_each_prompt_once_and_ends_equal_to_the_uninterrup
 @pytest.mark.parametrize("layout, victim, n", [
     ("colocated", "policy+rollout", 2),    # the policy, rollout and reward process of rank 0
     ("disaggregated_2x2", "policy", 3),    # a policy rank of the 2-rank FSDP group (rank 0 by name order)
-    ("colocated", "coordinator", 3),       # the actor that runs whole-batch steps
+    ("disaggregated", "coordinator", 3),   # the actor that runs whole-batch steps
 ])
 def test_a_killed_actor_is_recovered_and_nothing_is_lost(request, layout, victim, n):
     chaos: ChaosRun = request.getfixturevalue(CHAOS_RUNS[layout])
@@ -477,7 +478,7 @@ def test_a_stateless_actor_killed_after_the_update_goes_to_run_level(disaggregat
     chaos = disaggregated_chaos
     assert (chaos.markers / "after_the_update_of_step_5.json").is_file()
     assert "step 5: not recovering at stage level (a trained role already updated)" in chaos.console
-    failure, resumed = chaos.recoveries[2]
+    failure, resumed = chaos.recoveries[3]
     assert failure["kind"] == "run" and failure["failed_step"] == 5 and resumed["resumed_from"] == 4
 
 
