@@ -5,7 +5,9 @@ checkpointed, CPU kernels deterministic: a redone step is the same computation).
 
 A run start costs seconds of actor start-up while a toy step costs milliseconds, so the faults
 share runs: one uninterrupted reference run per layout, and one run per layout that meets each of
-its faults in turn, at steps of its own (module fixtures; each test checks one fault's records):
+its faults in turn, at steps of its own (module fixtures; each test checks one fault's records).
+The colocated and the small disaggregated layout share their uninterrupted run (the same steps,
+bit-equal wherever one policy and one rollout rank live):
 
 - colocated (one process: its steps are fused into it and it starts no coordinator): a stage hangs
   in the first call (watchdog), the policy+rollout+reward process is killed once step 2 is trained;
@@ -149,15 +151,18 @@ def _run_capturing(cfg, run_dir: Path, markers: Path, killers: dict[str, Killer]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model_path, toy_data, ray_local):
-    """Final weights of uninterrupted runs, per layout."""
+    """Final weights of uninterrupted runs, per layout. One run serves the colocated and the small
+    disaggregated layout: one policy rank and one rollout rank compute the same steps wherever they
+    live (measured bit-equal; each chaos run of either layout is compared with it)."""
     from raygraph.run.trainer import run
 
     out = {}
-    for layout, extra in LAYOUTS.items():
+    for layout in ("colocated", "disaggregated_2x2"):
         tmp = tmp_path_factory.mktemp(f"ref_{layout}")
         # the last step is always checkpointed: no other checkpoint is needed here
-        out[layout] = _final_weights(run(_cfg(tmp, tiny_model_path, toy_data, "ref", *extra,
+        out[layout] = _final_weights(run(_cfg(tmp, tiny_model_path, toy_data, "ref", *LAYOUTS[layout],
                                               "trainer.save_every=0")).run_dir)
+    out["disaggregated"] = out["colocated"]
     return out
 
 
