@@ -132,6 +132,10 @@ class Roles:
 
     @property
     def coordinator(self):
+        return self.start_coordinator()
+
+    def start_coordinator(self):
+        """The coordinator actor, started now if it is not running yet (None before `build_roles`)."""
         if self._coordinator is None and self._start_coordinator is not None:
             self._coordinator = self._start_coordinator()
         return self._coordinator
@@ -339,7 +343,7 @@ def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ..
             refs.append(actor.node_info.remote())
             labels.append((unit, rank, actor_name))
     if len(roles.hosts) > 1:   # steps not fused into one actor need it: start it beside the hosts
-        _ = roles.coordinator
+        roles.start_coordinator()
     sites = [CallSite("+".join(u), r, n) for u, r, n in labels]
     infos = wait_calls(refs, sites, ["start"] * len(refs))
     info_by_name = {n: info for (_, _, n), info in zip(labels, infos)}
