@@ -387,6 +387,7 @@ def test_each_chaos_run_trains_each_prompt_once_and_ends_equal_to_the_uninterrup
     assert counts == sorted(counts) and counts[-1] == len(chaos.recoveries)
 
 
+@pytest.mark.ray   # its runs come from `request.getfixturevalue`, which the automatic `ray` mark cannot see
 @pytest.mark.parametrize("layout, victim, n", [
     ("colocated", "policy+rollout", 2),    # the policy, rollout and reward process of rank 0
     ("disaggregated_2x2", "policy", 3),    # a policy rank of the 2-rank FSDP group (rank 0 by name order)

@@ -58,6 +58,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow   # starts a vLLM engine in a subprocess (~17 s)
 def test_a_vllm_engine_dies_with_the_process_that_built_it(tiny_model_path, tmp_path):
     """Outside Ray (no raylet to reap it), the engine core of a kill -9'd rollout process went on
     holding its weights and KV cache; now it ends within seconds (checked: without the guard it
