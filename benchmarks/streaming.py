@@ -2,7 +2,7 @@
 and without partial rollouts, beside the synchronous step, in one invocation. Prints JSON.
 
     .venv/bin/python benchmarks/streaming.py --steps 10 --warmup 2 [--ks 0,1,2,4] [--preset small]
-        [--plot docs/img/streaming.png] [--engine vllm]
+        [--plot docs/img/streaming.png] [--engine vllm] [--agent]
 
 The workload is the demo's task (configs/demo.yaml's data) on a random-init tiny model whose
 responses end at any of `--stop-ids` token ids besides eos: at random init each token ends a
@@ -11,6 +11,10 @@ stop ids) and capped at `--max-new-tokens` (96, ~8x the mean): every batch has a
 many times longer than the typical one, the case where a synchronous step waits for its slowest
 sample. Disaggregated: one training rank, two rollout ranks. Each setting is one training run
 (same trainer, same DAG as `raygraph train`); statistics skip the first `--warmup` steps.
+
+`--agent` runs multi-turn episodes instead (configs/demo_multiturn.yaml's task and environment:
+a wrong first answer gets feedback and a second turn), each turn as long-tailed as above; a
+"sample" is then an episode.
 
     samples_per_s      timed steps x samples per step / their summed step time
     trainer_idle_frac  streaming: the step's wait for its groups / step time (mean); synchronous:
@@ -31,12 +35,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(base: list[str], extra: list[str], steps: int, warmup: int) -> dict:
+def _run(config: str, base: list[str], extra: list[str], steps: int, warmup: int) -> dict:
     from raygraph.config import load_config
     from raygraph.run.trainer import run
 
     out = tempfile.mkdtemp(prefix="raygraph-stream-")
-    cfg = load_config(REPO / "configs" / "demo.yaml", [
+    cfg = load_config(REPO / "configs" / config, [
         *base, *extra, f"trainer.total_steps={steps + warmup}", f"trainer.output_dir={out}", "run_name=bench"])
     started = time.perf_counter()
     summary = run(cfg)
@@ -52,6 +56,7 @@ def _run(base: list[str], extra: list[str], steps: int, warmup: int) -> dict:
             "rollout_busy_frac": statistics.fmean(r["stream/rollout_busy_frac"] for r in timed) if streaming else None,
             "response_length_mean": statistics.fmean(r["rollout/response_length_mean"] for r in timed),
             "response_length_max": max(r["rollout/response_length_max"] for r in timed),
+            "turns_mean": statistics.fmean(r.get("agent/turns_mean", 1.0) for r in timed),
             "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in timed),
             "mixed_version_samples": statistics.fmean(r.get("stream/mixed_version_samples", 0.0) for r in timed),
             "wall_s": wall}
@@ -67,7 +72,9 @@ def main() -> None:
     parser.add_argument("--stop-ids", default="40,41,42,43,44,45", help="token ids (a-f of the tiny tokenizer)")
     parser.add_argument("--plot", default=None, help="write a PNG of samples/s per setting here")
     parser.add_argument("--engine", default="hf", help="rollout.engine (hf or vllm)")
+    parser.add_argument("--agent", action="store_true", help="multi-turn episodes (configs/demo_multiturn.yaml)")
     args = parser.parse_args()
+    config = "demo_multiturn.yaml" if args.agent else "demo.yaml"
     base = [f"model.tiny={args.preset}", "trainer.warm_start=null", "trainer.val_every=0",
             "trainer.val_before_train=false", "data.val_files=[]", "trainer.save_every=0",
             "checkpoint.save_hf=false", "logging.mlflow=false", "actor.old_logprobs=auto",
@@ -81,10 +88,10 @@ def main() -> None:
                 "rollout.streaming=true", f"placement.max_staleness={k}", f"rollout.partial_rollouts={str(partial).lower()}"]))
     results = {}
     for name, extra in settings:
-        results[name] = _run(base, extra, args.steps, args.warmup)
+        results[name] = _run(config, base, extra, args.steps, args.warmup)
         print(f"[streaming bench] {name}: {results[name]['samples_per_s']:.1f} samples/s", flush=True)
     sync = results["synchronous"]["samples_per_s"]
-    out = {"preset": args.preset, "engine": args.engine, "max_new_tokens": args.max_new_tokens, "stop_ids": args.stop_ids,
+    out = {"config": config, "preset": args.preset, "engine": args.engine, "max_new_tokens": args.max_new_tokens, "stop_ids": args.stop_ids,
            "steps": args.steps, "warmup": args.warmup, "results": results,
            "speedup_vs_synchronous": {name: r["samples_per_s"] / sync for name, r in results.items()},
            "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs"}

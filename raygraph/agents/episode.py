@@ -58,6 +58,9 @@ class Episode:
     env_s: float = 0.0
     elsewhere: bool = False                # run by another rollout rank than its owner (least-loaded dispatch)
     messages: list[dict] = field(default_factory=list)       # role, text, tokens, reward (for dumps)
+    # streamed episodes only (`raygraph.workers.streaming_episodes`): the weight version of each
+    # token; a message token has the version of the model token before it
+    versions: list[int] = field(default_factory=list)
 
     def turn_seed(self) -> int | None:
         """The seed of the next model turn: a function of the episode's seed and the turn only, so
@@ -73,7 +76,11 @@ class Episode:
         self.last_room = room
         return self.prompt + self.tokens, room
 
-    def add_model_turn(self, tokens: list[int], logprobs: list[float], text: str) -> None:
+    def add_model_turn(self, tokens: list[int], logprobs: list[float], text: str,
+                       versions: list[int] | None = None) -> None:
+        """Append a model turn; `versions`: the weight version that sampled each token (streaming)."""
+        if versions is not None:
+            self.versions += versions
         self.tokens += tokens
         self.mask += [1] * len(tokens)
         self.logprobs += logprobs
@@ -92,6 +99,7 @@ class Episode:
 
     def add_messages(self, tokens: list[int], shown: list[dict]) -> None:
         """Append the tokens of the messages between two turns (never trained)."""
+        self.versions += self.versions[-1:] * len(tokens)
         self.tokens += tokens
         self.mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
@@ -109,9 +117,11 @@ class Episode:
 
     def check(self) -> None:
         """The alignment every loss relies on; an episode that breaks it is a bug, never trained."""
-        sizes = {len(self.tokens), len(self.mask), len(self.logprobs), len(self.rewards)}
+        sizes = {len(self.tokens), len(self.mask), len(self.logprobs), len(self.rewards)} | \
+            ({len(self.versions)} if self.versions else set())
         if len(sizes) != 1:
-            raise AssertionError(f"episode {self.index}: tokens/mask/logprobs/rewards lengths differ: "
-                                 f"{len(self.tokens)}, {len(self.mask)}, {len(self.logprobs)}, {len(self.rewards)}")
+            raise AssertionError(f"episode {self.index}: tokens/mask/logprobs/rewards(/versions) lengths differ: "
+                                 f"{len(self.tokens)}, {len(self.mask)}, {len(self.logprobs)}, {len(self.rewards)}"
+                                 f"{f', {len(self.versions)}' if self.versions else ''}")
         if any(r and not m for r, m in zip(self.rewards, self.mask)):
             raise AssertionError(f"episode {self.index}: a reward sits on a token the model did not generate")

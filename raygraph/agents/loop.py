@@ -62,7 +62,8 @@ class TurnEngine(Protocol):
         """Turns submitted and not yet returned by `poll`."""
 
     def poll(self) -> list[tuple[int, list[int], list[float]]]:
-        """Advance the engine; the turns that finished: `(key, token ids, their log-probs)`."""
+        """Advance the engine; the turns that finished: `(key, token ids, their log-probs)`, and
+        from a streaming engine also the weight version of each token."""
 
     def abort(self) -> None:
         """Drop every pending turn (a failed run leaves nothing in the engine)."""
@@ -127,12 +128,15 @@ class AgentLoop:
 
     # ------------------------------------------------------------------------------ running
     def run(self, engine: TurnEngine, prompts: Sequence[list[int]], rows: Sequence[dict],
-            seeds: Sequence[int | None], more: MoreEpisodes | None = None) -> list[Episode]:
+            seeds: Sequence[int | None], more: MoreEpisodes | None = None, *,
+            close_finished: bool = False) -> list[Episode]:
         """Run one episode per prompt to its end; `rows[i]` is given to episode i's environment.
 
         `more(episodes)`, when given, is asked between engine polls for episodes to start as well
         (`(prompts, rows, seeds)`, or None/empty for none now); the run ends when every episode
         started is done and `more` has none. The episodes come back in the order they started.
+        With `close_finished` an episode's environment is closed when the episode ends (a long
+        streaming run), else every environment is closed when the run ends.
         """
         episodes: list[Episode] = []
         env_rows: list[dict] = []
@@ -156,17 +160,17 @@ class AgentLoop:
                 if all(ep.done for ep in episodes):
                     break
                 if engine.pending() and not (engine.lock_step and waiting):
-                    for key, tokens, logprobs in self._finished_turns(engine):
+                    for key, tokens, logprobs, *versions in self._finished_turns(engine):
                         ep = episodes[key]
                         text, raw = self._texts(tokens)
-                        ep.add_model_turn(tokens, logprobs, text)
+                        ep.add_model_turn(tokens, logprobs, text, *versions)
                         waiting[self.pool.submit(self._react, ep, envs, env_rows[key], text, raw, started)] = ep
                 elif waiting:
                     wait(list(waiting), timeout=self._time_left(waiting, started),
                          return_when="ALL_COMPLETED" if engine.lock_step else FIRST_COMPLETED)
                 else:
                     raise AssertionError("agent loop: episodes left with nothing submitted or running")
-                self._collect(engine, waiting, started)
+                self._collect(engine, waiting, started, envs if close_finished else None)
             finished = True
         finally:
             if not finished:
@@ -210,7 +214,10 @@ class AgentLoop:
             finished += engine.poll()
         return finished
 
-    def _collect(self, engine: TurnEngine, waiting: dict[Future, Episode], started: dict[int, float]) -> None:
+    def _collect(self, engine: TurnEngine, waiting: dict[Future, Episode], started: dict[int, float],
+                 closing: EpisodeEnvs | None = None) -> None:
+        """Advance the episodes whose reactions are back; `closing`: close the environments of
+        those that ended."""
         now = time.monotonic()
         for future, ep in list(waiting.items()):
             if not future.done():
@@ -230,6 +237,8 @@ class AgentLoop:
                 raise EnvFailed(f"{self.reactor.env_name or 'a tool'} raised in episode {ep.index} (uid {ep.uid!r}) "
                                 f"after turn {ep.turns}: {type(exc).__name__}: {exc}") from exc
             self._advance(engine, ep, reaction)
+            if closing is not None and ep.done:
+                closing.close(ep.index)
 
     def _hung(self, ep: Episode) -> None:
         """A reaction ran past `env_timeout_s`: its episode ends; its thread stays taken."""

@@ -149,6 +149,13 @@ class EpisodeEnvs:
         self.runner.close_all([(index, env)])
         raise RunClosed("the run was closed while this environment was being created")
 
+    def close(self, index: int) -> None:
+        """Close episode `index`'s environment, if it has one open."""
+        with self._lock:
+            env = self._envs.pop(index, None)
+        if env is not None:
+            self.runner.close_all([(index, env)])
+
     def close_all(self) -> None:
         """Close every environment (each once); later reactions close their own."""
         with self._lock:

@@ -159,9 +159,16 @@ def _streaming(cfg: RaygraphConfig) -> list[str]:
     """What streaming rollouts (rollout.streaming) work with so far (docs/streaming.md)."""
     if not cfg.rollout.streaming:
         return []
+    agent = cfg.rollout.agent
     needs = [(cfg.placement.mode == "disaggregated", "placement.mode=disaggregated (rollout ranks of their own "
                                                      "generate while the policy trains)"),
-             (cfg.rollout.agent is None, "rollout.agent=null (multi-turn episodes do not stream yet)"),
+             (agent is None or agent.program is None, "rollout.agent.program=null (agent programs do not stream "
+                                                      "yet; environment and tool episodes do)"),
+             (agent is None or agent.dispatch == "even", "rollout.agent.dispatch=even (streaming sends each prompt "
+                                                         "group to the least-loaded rollout rank itself)"),
+             (agent is None or agent.env_hosts == 0, "rollout.agent.env_hosts=0 (a host restarted after a timed-out "
+                                                     "step would take down the episodes of later steps running on "
+                                                     "it; streamed environments run in the rank's threads)"),
              (cfg.actor.old_logprobs != "rollout", "actor.old_logprobs=auto or recompute (streamed tokens may "
                                                    "come from older weights than the policy's)")]
     return [f"rollout.streaming=true needs {what}" for ok, what in needs if not ok]

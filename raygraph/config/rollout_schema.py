@@ -64,7 +64,8 @@ class RolloutConfig(Section):
     streaming: bool = Field(False, description="Streaming rollouts (docs/streaming.md): the rollout ranks "
                                                "keep generating the next placement.max_staleness steps' "
                                                "prompts while the policy trains, and take each weight "
-                                               "update as it lands. Needs placement.mode=disaggregated "
+                                               "update as it lands (single responses and multi-turn "
+                                               "episodes). Needs placement.mode=disaggregated "
                                                "and a workflow whose graph takes streamed rollouts "
                                                "(grpo, rloo, reinforce_pp).")
     partial_rollouts: bool = Field(True, description="Streaming: a weight update reaches requests in flight, "

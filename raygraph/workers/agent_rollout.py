@@ -49,7 +49,8 @@ from raygraph.workers import vllm_compat
 from raygraph.workers.agent_dispatch import Dispatch, dispatch_tag, shared_episodes
 from raygraph.workers.rollout_output import no_rollouts, rollout_rows
 
-__all__ = ["no_episodes", "HFTurns", "VLLMTurns", "agent_loop", "episode_rows", "generate_episodes", "run_episodes"]
+__all__ = ["no_episodes", "HFTurns", "VLLMTurns", "agent_loop", "env_row", "episode_rows", "generate_episodes",
+           "run_episodes"]
 
 _request_ids = itertools.count()
 
@@ -119,7 +120,7 @@ class HFTurns:
         return out
 
 
-def _env_row(rows: Batch, i: int) -> dict:
+def env_row(rows: Batch, i: int) -> dict:
     """Row `i` as its environment sees it: the dataset row's fields."""
     def column(name, default=None):
         return rows[name][i] if name in rows else default
@@ -163,7 +164,7 @@ def run_episodes(loop: AgentLoop, turns, rows: Batch, seeds: Sequence[int | None
     """One episode per row of `rows` (prompts already repeated n times)."""
     ids, mask = rows[PROMPT_IDS], rows[PROMPT_MASK].bool()
     prompts = [ids[i][mask[i]].tolist() for i in range(len(rows))]
-    env_rows = [_env_row(rows, i) for i in range(len(rows))]
+    env_rows = [env_row(rows, i) for i in range(len(rows))]
     if dispatch is not None and (tag := dispatch_tag(rows)) is not None:
         settings = (turns.greedy, turns.relative_temperature)
         return shared_episodes(loop, turns, prompts, env_rows, seeds, rows, dispatch.round_of(tag, settings),

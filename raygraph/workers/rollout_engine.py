@@ -37,8 +37,10 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.models.lora import LoraSpec
+from raygraph.workers.agent_rollout import no_episodes
 from raygraph.workers.rollout_output import no_rollouts, text_column
 from raygraph.workers.streaming import WAVE_TOKENS, Continuation, Sample, StreamedSamples, StreamLoop
+from raygraph.workers.streaming_episodes import episode_stream
 
 __all__ = [
     "RolloutEngine", "load_checkpoint", "prefetch", "prefetch_next", "reseed", "save_checkpoint",
@@ -169,19 +171,24 @@ def load_checkpoint(self, path: str | Path) -> None:
 
 # ------------------------------------------------------------------------------ streaming (issue 26)
 # For an engine with `continue_samples` (`raygraph.workers.streaming.ContinueSamples`), `n`,
-# `stream_wave_rows` (samples a wave takes at most), `tokenizer`, `partial_rollouts`, a `streamed` attribute (None until the
-# first submit), and `_no_update`, a threading.Event its `load_weights` clears while it waits
+# `stream_wave_rows` (samples a wave takes at most), `tokenizer`, `partial_rollouts`, `agent` (the
+# agent loop of multi-turn episodes, or None), a `streamed` attribute (None until the first
+# submit), and `_no_update`, a threading.Event its `load_weights` clears while it waits
 # (`drain_stream`) and loads.
 
 
 def stream_submit(self, prompts: Batch) -> dict[str, float]:
-    """Queue the prompt rows of `prompts` as groups of n samples; a background loop generates
-    them with whatever weights the engine holds at each moment (started by the first call)."""
+    """Queue the prompt rows of `prompts` as groups of n samples (with an agent: n episodes); a
+    background loop generates them with whatever weights the engine holds at each moment (started
+    by the first call)."""
     if self.streamed is None:
-        self.streamed = StreamedSamples(self.n, self.tokenizer.pad_token_id)
-        self._stream_loop = StreamLoop(self.streamed, self.continue_samples, lambda: self._weight_version,
-                                       self.stream_wave_rows, self._no_update, partial=self.partial_rollouts,
-                                       wave_tokens=WAVE_TOKENS)
+        if self.agent is not None:
+            self.streamed, self._stream_loop = episode_stream(self)
+        else:
+            self.streamed = StreamedSamples(self.n, self.tokenizer.pad_token_id)
+            self._stream_loop = StreamLoop(self.streamed, self.continue_samples, lambda: self._weight_version,
+                                           self.stream_wave_rows, self._no_update, partial=self.partial_rollouts,
+                                           wave_tokens=WAVE_TOKENS)
         self._stream_clock = (time.perf_counter(), 0.0)
     self._stream_loop.check()
     return {"rollout/stream_submitted": float(self.streamed.submit(prompts))}
@@ -210,7 +217,8 @@ def stream_wait(self, uids: list[str], timeout_s: float) -> dict[str, float]:
     now, busy = time.perf_counter(), self._stream_loop.busy_s
     since, busy_before = self._stream_clock
     self._stream_clock = (now, busy)
-    tokens, self.streamed.tokens_per_version = dict(self.streamed.tokens_per_version), Counter()
+    with self.streamed.changed:   # the loop counts under it
+        tokens, self.streamed.tokens_per_version = dict(self.streamed.tokens_per_version), Counter()
     return {"ready": float(ready), "busy_s": busy - busy_before, "wall_s": now - since,
             "in_flight": float(self.streamed.in_flight()), "queued": float(len(self.streamed.groups)),
             **{f"tokens_v{v}": float(k) for v, k in tokens.items()}}
@@ -219,25 +227,26 @@ def stream_wait(self, uids: list[str], timeout_s: float) -> dict[str, float]:
 def stream_take(self, batch: Batch) -> Batch:
     """The finished groups the driver assigned to this rank (`batch.meta[STREAM_TAKE][rank]`,
     rank from the scatter's `SHARD` tag; this rank's share of `batch` is not read) as rollout rows
-    (`StreamedSamples.take`) with `response_text`; `staleness` counts versions behind the weights
-    held now, which are the policy's."""
+    (`StreamedSamples.take`, or with an agent `StreamedEpisodes.take`) with `response_text`;
+    `staleness` counts versions behind the weights held now, which are the policy's."""
     rank = batch.meta.get(SHARD, {}).get("rank", 0)
     uids = list(batch.meta[STREAM_TAKE].get(rank, ()))
     if not uids:
-        empty = no_rollouts(batch.select([]), self._weight_version)
+        empty = (no_rollouts if self.agent is None else no_episodes)(batch.select([]), self._weight_version)
         return empty.with_columns(**{TOKEN_WEIGHT_VERSION: empty[RESPONSES].clone(),
                                      STALENESS: torch.zeros(0, dtype=torch.int64)})
-    rows = self.streamed.take(uids, self._weight_version)
-    texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(rows[RESPONSES], rows[RESPONSE_LENGTH])],
-                                        skip_special_tokens=True)
-    out = rows.with_columns(**{RESPONSE_TEXT: text_column(texts)})
+    out = self.streamed.take(uids, self._weight_version)
+    if RESPONSE_TEXT not in out:   # single-turn samples (episode rows have their texts)
+        texts = self.tokenizer.batch_decode([r[:k].tolist() for r, k in zip(out[RESPONSES], out[RESPONSE_LENGTH])],
+                                            skip_special_tokens=True)
+        out = out.with_columns(**{RESPONSE_TEXT: text_column(texts)})
     out.meta = {k: v for k, v in batch.meta.items() if k not in (STREAM_TAKE, SHARD)}
     return out
 
 
 def drain_stream(self) -> None:
-    """Before a weight update without partial rollouts: wait until every started sample has
-    finished with the weights it started with (`StreamLoop`); nothing to wait for otherwise."""
+    """Before a weight update without partial rollouts: wait until every started sample (or
+    episode) has finished with the weights it started with; nothing to wait for otherwise."""
     if self.streamed is None or self.partial_rollouts:
         return
     while not self.streamed.drained(1.0):

@@ -250,16 +250,17 @@ class HFRolloutWorker:
         width, pad = max(map(len, seqs)), self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(q)) + q for q in seqs])
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in seqs])
-        left = torch.tensor([self.max_new_tokens - len(s.tokens) for s in samples])
+        budgets = [s.max_tokens or self.max_new_tokens for s in samples]
+        left = torch.tensor([b - len(s.tokens) for b, s in zip(budgets, samples)])
         if int(left.min()) < 1:
-            raise ValueError("continue_samples: a sample already has max_new_tokens tokens but is not done")
+            raise ValueError("continue_samples: a sample already has all its tokens but is not done")
         tokens, alive, logprobs = self.sample_tokens(ids, mask, False, self.temperature, int(left.max()),
                                                      budget=left, keep_going=keep_going)
         out = []
         for i, sample in enumerate(samples):
             k = int(alive[i].sum())
             new = tokens[i, :k].tolist()
-            done = bool(new) and (new[-1] in self.stop_token_ids or len(sample.tokens) + k >= self.max_new_tokens)
+            done = bool(new) and (new[-1] in self.stop_token_ids or len(sample.tokens) + k >= budgets[i])
             out.append(Continuation(new, logprobs[i, :k].tolist(), done))
         return out
 

@@ -202,11 +202,12 @@ class VLLMRolloutWorker:
         seeds = [None] * len(rows) if greedy else torch.randint(
             0, 2**31 - 1, (len(rows),), generator=self.generator).tolist()
         if self.agent is not None:
-            self._wake()
-            out = generate_episodes(self.agent, VLLMTurns(self, greedy, temperature), rows, seeds, self._weight_version,
-                                    self._dispatch)
-            if self.enable_sleep_mode:
-                self.sleep()
+            with self._weights_lock:   # a streaming loop's waves (`raygraph.workers.streaming_episodes`) wait
+                self._wake()
+                out = generate_episodes(self.agent, VLLMTurns(self, greedy, temperature), rows, seeds,
+                                        self._weight_version, self._dispatch)
+                if self.enable_sleep_mode:
+                    self.sleep()
             return out
         longest = max(map(len, prompts))
         if longest + self.max_new_tokens > self.max_model_len:  # vLLM would cut the response short
@@ -241,7 +242,7 @@ class VLLMRolloutWorker:
         as one engine call under the weights lock, so a weight update waits for it (one wave)
         and every token of it was sampled with `version`."""
         prompts = [s.prompt_ids + s.tokens for s in samples]
-        left = [self.max_new_tokens - len(s.tokens) for s in samples]
+        left = [(s.max_tokens or self.max_new_tokens) - len(s.tokens) for s in samples]
         # each sample's own length: a long sample near its end beside a fresh one is fine
         longest = max(len(p) + k for p, k in zip(prompts, left))
         if longest > self.max_model_len:

@@ -42,7 +42,8 @@ from raygraph.batch import (
     Batch,
 )
 
-__all__ = ["Continuation", "Sample", "StreamLoop", "StreamedSamples", "WAVE_TOKENS"]
+__all__ = ["Continuation", "Sample", "StreamLoop", "StreamedSamples", "WAVE_TOKENS", "new_groups", "pop_whole",
+           "wait_whole"]
 
 WAVE_TOKENS = 16   # tokens a wave decodes at most before the next wave is formed (continuous batching)
 
@@ -52,6 +53,7 @@ class Sample:
     """One response being generated: its prompt's token ids and what was generated so far."""
 
     prompt_ids: list[int]
+    max_tokens: int | None = None   # tokens it may have at most (None: the engine's max_new_tokens)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)   # as sampled, one a token
     versions: list[int] = field(default_factory=list)     # weight version that sampled each token
@@ -74,6 +76,63 @@ class Continuation:
 ContinueSamples = Callable[[Sequence[Sample], int, Callable[[], bool]], list[Continuation]]
 
 
+# ------------------------------------------------------------------------------ groups by uid
+# A rank's streamed groups: `{uid: (prompt row, its n members)}` in submission order, guarded by a
+# `threading.Condition`; a member is anything `done` says has ended (a `Sample`, an episode).
+
+
+def new_groups(held: dict, prompts: Batch) -> list[tuple[int, str, list[int]]]:
+    """`(row, uid, prompt token ids)` of each prompt row of `prompts`, checked first: a uid held
+    already or repeated (it would be trained twice) and an empty prompt are errors."""
+    uids = list(prompts[UID])
+    taken = [u for u in uids if u in held]
+    if taken or len(set(uids)) != len(uids):
+        raise ValueError(f"prompts submitted twice for streaming (uids {sorted(set(taken))[:5] or uids[:5]}); "
+                         "a group is submitted once and taken once")
+    rows = [(i, uid, prompts[PROMPT_IDS][i][prompts[PROMPT_MASK][i].bool()].tolist()) for i, uid in enumerate(uids)]
+    empty = [uid for _, uid, ids in rows if not ids]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} are empty: nothing to generate from")
+    return rows
+
+
+def _unknown(groups: dict, uids: Sequence[str]) -> None:
+    unknown = [u for u in uids if u not in groups]
+    if unknown:
+        raise KeyError(f"no streamed group for uids {unknown[:5]}")
+
+
+def wait_whole(changed: threading.Condition, groups: dict, uids: Sequence[str], timeout_s: float,
+               done: Callable[[object], bool]) -> bool:
+    """Block until every member of the groups `uids` is done or `timeout_s` passed; whether they all are.
+
+    Raises:
+        KeyError: a uid not held.
+    """
+    _unknown(groups, uids)
+    with changed:
+        return changed.wait_for(lambda: all(done(m) for u in uids for m in groups[u][1]), timeout=timeout_s)
+
+
+def pop_whole(changed: threading.Condition, groups: dict, uids: Sequence[str],
+              done: Callable[[object], bool]) -> list[tuple[Batch, list]]:
+    """Remove and return the groups `uids`, in that order, every member of them done.
+
+    Raises:
+        KeyError: a uid not held; ValueError: a group with a member not done (groups never split).
+    """
+    with changed:
+        _unknown(groups, uids)
+        open_ = [u for u in uids if not all(done(m) for m in groups[u][1])]
+        if open_:
+            raise ValueError(f"groups {open_[:5]} are still generating; a group is taken only whole")
+        return [groups.pop(u) for u in uids]
+
+
+def _sample_done(sample: Sample) -> bool:
+    return sample.done
+
+
 class StreamedSamples:
     """Groups of samples submitted for streaming, by prompt uid, in submission order.
 
@@ -94,20 +153,12 @@ class StreamedSamples:
     def submit(self, prompts: Batch) -> int:
         """Queue each prompt row of `prompts` (`uid`, `prompt_ids`, `prompt_mask`) as a group of n
         samples. Returns the groups queued. A uid already queued is an error: it would be trained twice."""
-        uids = list(prompts[UID])
-        taken = [u for u in uids if u in self.groups]
-        if taken or len(set(uids)) != len(uids):
-            raise ValueError(f"prompts submitted twice for streaming (uids {sorted(set(taken))[:5] or uids[:5]}); "
-                             "a group is submitted once and taken once")
         with self.changed:
-            for i, uid in enumerate(uids):
-                mask = prompts[PROMPT_MASK][i].bool()
-                ids = prompts[PROMPT_IDS][i][mask].tolist()
-                if not ids:
-                    raise ValueError(f"prompt {uid!r} is empty: nothing to continue from")
+            rows = new_groups(self.groups, prompts)
+            for i, uid, ids in rows:
                 self.groups[uid] = (prompts.select([i]), [Sample(ids) for _ in range(self.n)])
             self.changed.notify_all()
-        return len(uids)
+        return len(rows)
 
     def unfinished(self, limit: int, *, started: bool = False) -> list[Sample]:
         """Up to `limit` unfinished samples, oldest group first (a group's samples together);
@@ -163,15 +214,7 @@ class StreamedSamples:
         Raises:
             KeyError: a uid not submitted here.
         """
-        unknown = [u for u in uids if u not in self.groups]
-        if unknown:
-            raise KeyError(f"no streamed group for uids {unknown[:5]}")
-
-        def finished() -> bool:
-            return all(s.done for u in uids for s in self.groups[u][1])
-
-        with self.changed:
-            return self.changed.wait_for(finished, timeout=timeout_s)
+        return wait_whole(self.changed, self.groups, uids, timeout_s, _sample_done)
 
     def take(self, uids: Sequence[str], version: int) -> Batch:
         """Hand out these whole groups (and forget them) as rollout rows, n per prompt, in `uids` order.
@@ -184,14 +227,7 @@ class StreamedSamples:
         Raises:
             KeyError: a uid not submitted; ValueError: a group not finished (groups never split).
         """
-        with self.changed:
-            unknown = [u for u in uids if u not in self.groups]
-            if unknown:
-                raise KeyError(f"no streamed group for uids {unknown[:5]}")
-            open_ = [u for u in uids if not all(s.done for s in self.groups[u][1])]
-            if open_:
-                raise ValueError(f"groups {open_[:5]} have unfinished samples; a group is taken only whole")
-            picked = [self.groups.pop(u) for u in uids]
+        picked = pop_whole(self.changed, self.groups, uids, _sample_done)
         samples = [s for _, group in picked for s in group]
         width = max([len(s.tokens) for s in samples] or [0])
 

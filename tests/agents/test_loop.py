@@ -186,6 +186,31 @@ def test_a_timed_out_reaction_ends_only_its_episode():
     assert [e.truncation for e in eps] == ["env_timeout", "none"]
 
 
+def test_with_close_finished_each_environment_is_closed_as_its_episode_ends():
+    """Streaming runs go on while work comes in, so `close_finished` closes an episode's
+    environment when the episode ends, while others still run; without it, when the run ends."""
+    def closed_while_the_next_runs(close_finished: bool) -> list[bool]:
+        Countdown.closed.clear()
+        seen = []
+
+        def more(episodes):
+            if len(episodes) == 1 and episodes[0].done:   # episode 1 starts once episode 0 has ended
+                return [PROMPT], [{"uid": 1, "extra_info": {}}], [0]
+            if len(episodes) == 2 and not episodes[1].done:
+                seen.append(0 in Countdown.closed)
+            return None
+
+        engine = ScriptedEngine({0: ["a"], 1: ["b"]})
+        loop(env_args={"turns": 1}).run(engine, [PROMPT], rows(1), [0], more=more, close_finished=close_finished)
+        assert sorted(Countdown.closed) == [0, 1]   # each closed once, either way
+        return seen
+
+    closing = closed_while_the_next_runs(True)
+    assert closing and all(closing)
+    keeping = closed_while_the_next_runs(False)
+    assert keeping and not any(keeping)
+
+
 def test_async_environments_and_lock_step_engines_give_the_same_episodes():
     class AsyncCountdown(Countdown):
         async def step(self, response):

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow   # one engine start (~15-30 s on 2 cores): not in
 from raygraph.batch import (  # noqa: E402
     PROMPT_IDS,
     PROMPT_MASK,
+    RESPONSE_ATTENTION,
     RESPONSE_LENGTH,
     RESPONSE_MASK,
     RESPONSE_TEXT,
@@ -206,6 +207,63 @@ def test_a_streamed_sample_continues_across_a_weight_update_with_each_tokens_ver
     expected = torch.where(versions == 0, _recomputed(model_paths[0], rows), _recomputed(model_paths[1], rows))
     diff = (rows[ROLLOUT_LOGPROBS] - expected).abs()[mask]
     assert diff.max() < TOLERANCE
+    late = mask & (versions == 1)
+    assert (_recomputed(model_paths[0], rows) - expected).abs()[late].max() > 1e-2   # the versions differ
+
+
+class _TwoTurns:
+    """An environment that asks once more after the first turn."""
+
+    def __init__(self, row):
+        self.turn = 0
+
+    def step(self, response):
+        self.turn += 1
+        return "again", 0.0, self.turn >= 2
+
+
+def test_streamed_episodes_continue_their_turns_across_a_weight_update(worker, model_paths, prompts):
+    """Streaming multi-turn episodes on the vLLM CPU engine: 24 two-turn episodes whose turns are
+    generated in waves of at most 16 tokens (`StreamTurns`), with the update to model b right after
+    the first wave. Turns longer than a wave continue with b from their token ids; every model
+    token's log-prob is its own version's, recomputed with the observations attended."""
+    import threading
+
+    from raygraph.agents.env import register_env
+    from raygraph.agents.loop import AgentLoop
+    from raygraph.workers.streaming import WAVE_TOKENS
+    from raygraph.workers.streaming_episodes import StreamedEpisodes, StreamTurns
+
+    register_env("test_rollout_vllm.two_turns", _TwoTurns)
+    loop = AgentLoop(tokenizer=worker.tokenizer, stop_token_ids=worker.stop_token_ids, env="test_rollout_vllm.two_turns",
+                     budgets={"max_turns": 2, "max_new_tokens": 24, "max_total_tokens": 128, "max_message_tokens": 8})
+    ready = threading.Event()
+    ready.set()
+    streamed = StreamedEpisodes(8, worker.tokenizer, partial=True, no_update=ready)
+    waves = []
+
+    def after_wave(version: int, tokens: int) -> None:
+        waves.append(version)
+        if len(waves) == 1:
+            worker.load_weights(_buckets(model_paths[1]), version=1)
+
+    turns = StreamTurns(worker.continue_samples, lambda: worker._weight_version, 256, ready, partial=True,
+                        stopped=lambda: False, count_tokens=after_wave)
+    streamed.submit(prompts)
+    try:
+        loop.run(turns, [], [], [], more=streamed.more, close_finished=True)
+        rows = streamed.take(list(prompts[UID]), version=1)
+    finally:
+        loop.shutdown()
+        worker.load_weights(_buckets(model_paths[0], per_bucket=100), version=0)
+    assert waves[:2] == [0, 1] and set(waves) == {0, 1}
+    mask, versions = rows[RESPONSE_MASK].bool(), rows[TOKEN_WEIGHT_VERSION]
+    assert (rows[RESPONSE_ATTENTION].bool() & ~mask).any()   # observations between the turns
+    straddled = [i for i in range(len(rows)) if versions[i][mask[i]][:WAVE_TOKENS + 1].tolist()
+                 == [0] * WAVE_TOKENS + [1]]
+    assert straddled, "no first turn outlived the first wave"
+    expected = torch.where(versions == 0, _recomputed(model_paths[0], rows), _recomputed(model_paths[1], rows))
+    assert (rows[ROLLOUT_LOGPROBS] - expected).abs()[mask].max() < TOLERANCE
     late = mask & (versions == 1)
     assert (_recomputed(model_paths[0], rows) - expected).abs()[late].max() > 1e-2   # the versions differ
 
