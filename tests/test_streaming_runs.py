@@ -280,10 +280,13 @@ def test_the_demo_learns_with_streaming_rollouts_two_versions_stale(tmp_path, ra
 def test_the_multiturn_demo_learns_with_streamed_episodes_two_versions_stale(tmp_path, ray_local):
     """The multi-turn demo (configs/demo_multiturn.yaml: a retry after a wrong first answer, with
     the answer as feedback) with streaming k=2 over two rollout ranks: episodes of the next two
-    steps run while the policy trains, each prompt is trained once in the data order, no token is
-    more than k versions stale, and held-out success still rises by far more than 20 points in 25
-    steps, as in the synchronous demo (docs/streaming.md, "Multi-turn episodes": measured 0.14 ->
-    1.00)."""
+    steps run while the policy trains, and a rollout rank is killed (kill -9) once step 12 has
+    trained, with those episodes in flight. The run resumes from its newest checkpoint, each
+    prompt is trained once in the data order, no token is more than k versions stale, and
+    held-out success still rises by far more than 20 points in 25 steps, as in the synchronous demo
+    (docs/streaming.md, "Multi-turn episodes": measured 0.14 -> 1.00)."""
+    from killer import Killer
+
     from raygraph.run.trainer import run
 
     steps = 25
@@ -291,16 +294,21 @@ def test_the_multiturn_demo_learns_with_streamed_episodes_two_versions_stale(tmp
         f"trainer.output_dir={tmp_path}", "placement.mode=disaggregated", "placement.rollout_workers=2",
         "placement.cpus_per_worker=0.5", "actor.old_logprobs=auto", "rollout.streaming=true",
         "placement.max_staleness=2", "logging.mlflow=false", f"trainer.total_steps={steps}",
-        f"trainer.val_every={steps}", "trainer.save_every=0", "checkpoint.save_hf=false", "data.val_prompts=100"])
+        f"trainer.val_every={steps}", "trainer.save_every=5", "checkpoint.keep_last=0", "checkpoint.save_hf=false",
+        "data.val_prompts=100", "run_name=mt", "trainer.max_restarts=1", "trainer.resume=auto"])
+    killer = Killer(tmp_path / cfg.experiment / "mt", f"{cfg.experiment}/mt/", "rollout", after_step=12)
     summary = run(cfg)
     rows = _metrics(summary.run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert check_ledger(summary.run_dir, _data_order(cfg, range(1, steps + 1))) == []
+    assert check_ledger(summary.run_dir, _data_order(cfg, range(1, steps + 1))) == []   # none lost, none repeated
+    failure, resumed = [json.loads(x) for x in (summary.run_dir / "recoveries.jsonl").read_text().splitlines()]
+    assert failure["kind"] == "run" and killer.victim in failure["dead_actors"] and resumed["resumed_from"] == 10
     for step, row in enumerate(rows, start=1):
         assert row["rollout/samples"] == cfg.data.prompts_per_step * cfg.rollout.n   # whole groups
-        assert row["rollout/staleness_max"] <= min(step - 1, 2)
+        # after the resume from step 10 the lead of k steps is built up again
+        assert row["rollout/staleness_max"] <= min(step - 1 if step <= 12 else step - 11, 2)
         assert 1.0 <= row["agent/turns_mean"] <= 2.0
-    assert max(r["rollout/staleness_max"] for r in rows) == 2
-    assert rows[0]["stream/in_flight"] > 0   # the next k steps' episodes ran while step 1 took its own
+    assert rows[4]["rollout/staleness_max"] == 2 and rows[0]["stream/in_flight"] > 0   # episodes ran ahead
     assert any(r["rollout/is_weight_mean"] != 1.0 for r in rows)   # stale tokens were importance-weighted
+    # the validation before step 1 is the first attempt's: a recovered run reports the whole run
     assert summary.val_accuracy_start <= 0.3 and summary.val_accuracy_end >= summary.val_accuracy_start + 0.2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,21 +66,29 @@ def run(cfg, address: str | None = None) -> RunSummary:
     Raises `TrainingFailed` when no step updated the policy (`raygraph.run.health`).
     """
     recoveries = Recoveries(cfg.trainer.max_restarts)
+    # a recovered run reports the whole run: its wall time and the validation before its first step
+    started, val_start = time.perf_counter(), None
     with StopFlag(cfg.trainer.stop_timeout_s) as stop:
         while True:
             try:
-                return _run(cfg, address, stop, recoveries)
+                summary = _run(cfg, address, stop, recoveries)
             except KeyboardInterrupt:
                 if stop.requested:  # the stop timed out, or a second signal came
                     raise RunStopped(stop.signum) from None
                 raise
             except _AttemptFailed as failed:
+                val_start = failed.val_start if val_start is None else val_start
                 if stop.requested or not recoveries.should_retry(failed.error, failed.dead_actors, failed.step,
                                                                  failed.lost_nodes):
                     raise failed.error from None
                 # the same run directory, from its newest complete checkpoint
                 cfg = cfg.model_copy(update={"run_name": failed.run_name, "trainer": cfg.trainer.model_copy(
                     update={"resume": "auto"})})
+                continue
+            summary = replace(summary, wall_s=time.perf_counter() - started, val_accuracy_start=(
+                summary.val_accuracy_start if val_start is None else val_start))
+            _print_summary(summary)
+            return summary
 
 
 class _AttemptFailed(Exception):
@@ -88,10 +96,10 @@ class _AttemptFailed(Exception):
     them on `lost_nodes`."""
 
     def __init__(self, error: Exception, step: int, dead_actors: list[str], run_name: str,
-                 lost_nodes: list[str]):
+                 lost_nodes: list[str], val_start: float | None):
         super().__init__(str(error))
         self.error, self.step, self.dead_actors, self.run_name = error, step, dead_actors, run_name
-        self.lost_nodes = lost_nodes
+        self.lost_nodes, self.val_start = lost_nodes, val_start
 
 
 def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> RunSummary:
@@ -131,10 +139,8 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
         raise loop.failed(exc) from exc
     finally:
         loop.close(status)
-    summary = RunSummary(ctx.run_dir, loop.steps_done, loop.val_start, loop.val_end, time.perf_counter() - started,
-                         loop.stopped, stop.signum if loop.stopped else None)
-    _print_summary(summary)
-    return summary
+    return RunSummary(ctx.run_dir, loop.steps_done, loop.val_start, loop.val_end, time.perf_counter() - started,
+                      loop.stopped, stop.signum if loop.stopped else None)
 
 
 @dataclass
@@ -276,7 +282,7 @@ class _Loop:
             unlogged = self.metrics if self.consistent is not None and self.consistent > self.steps_done else None
             resume.save_after_failure(self.ctx, self.roles, self.data, self.kl_ctl, self.version,
                                       step=self.consistent, tracker=self.tracker, metrics=unlogged)
-        return _AttemptFailed(exc, self.step, dead, self.ctx.run_name, lost_nodes(self.roles))
+        return _AttemptFailed(exc, self.step, dead, self.ctx.run_name, lost_nodes(self.roles), self.val_start)
 
     def close(self, status: str) -> None:
         if self.cfg.trainer.profile:  # Ray task timeline (chrome://tracing or Perfetto); see docs/benchmarks.md
