@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -123,8 +124,8 @@ def test_without_partial_rollouts_an_update_waits_for_the_started_episodes(tiny_
         assert reached.wait(60)
         update = threading.Thread(target=worker.load_weights, args=([_perturbed(worker.model, seed=1)], 1))
         update.start()
-        while worker._no_update.is_set():   # the update is waiting
-            pass
+        while worker._no_update.is_set():   # until the update is waiting (for the started episodes)
+            time.sleep(0.001)
         worker.stream_submit(later)
         update.join(120)
         assert not update.is_alive()
