@@ -26,6 +26,7 @@ the caveats: GPU batch invariance, the HF sampler's shared generator).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +46,7 @@ __all__ = ["AgentLoop", "EnvFailed", "TurnEngine"]
 log = logging.getLogger("raygraph")
 
 HOSTED_MARGIN_S = 5.0   # a hosted reaction's thread is hung only this long past env_timeout_s
+STREAMING_POLL_S = 0.1  # a streaming run asks `more` at least this often
 
 
 class EnvFailed(RaygraphError, RuntimeError):
@@ -129,48 +131,63 @@ class AgentLoop:
     # ------------------------------------------------------------------------------ running
     def run(self, engine: TurnEngine, prompts: Sequence[list[int]], rows: Sequence[dict],
             seeds: Sequence[int | None], more: MoreEpisodes | None = None, *,
-            close_finished: bool = False) -> list[Episode]:
+            streaming: bool = False) -> list[Episode]:
         """Run one episode per prompt to its end; `rows[i]` is given to episode i's environment.
 
         `more(episodes)`, when given, is asked between engine polls for episodes to start as well
         (`(prompts, rows, seeds)`, or None/empty for none now); the run ends when every episode
-        started is done and `more` has none. The episodes come back in the order they started.
-        With `close_finished` an episode's environment is closed when the episode ends (a long
-        streaming run), else every environment is closed when the run ends.
+        started is done and `more` has none (having seen every episode started). The episodes
+        come back in the order they started.
+
+        `streaming` is for a run that may last as long as training (a rank's streaming loop,
+        `raygraph.workers.streaming_episodes`): an episode `more` has seen ended is forgotten and
+        its environment closed at once (nothing comes back), and `more` is asked at least every
+        `STREAMING_POLL_S` seconds, also while every episode waits for its environment.
         """
-        episodes: list[Episode] = []
-        env_rows: list[dict] = []
+        episodes: list[Episode] = []   # in start order (streaming: those not yet seen ended)
+        running: dict[int, tuple[Episode, dict]] = {}   # index -> episode and its row (streaming: not ended)
         envs = EpisodeEnvs(self.reactor.envs)
         waiting: dict[Future, Episode] = {}
         started: dict[int, float] = {}   # episode index -> when its reaction began running
-        finished = False
+        finished, indices = False, itertools.count()
 
         def start(new_prompts, new_rows, new_seeds) -> None:
             for p, s, row in zip(new_prompts, new_seeds, new_rows, strict=True):
-                ep = Episode(len(episodes), list(p), s, uid=row.get("uid"))
+                ep = Episode(next(indices), list(p), s, uid=row.get("uid"))
                 episodes.append(ep)
-                env_rows.append(row)
+                running[ep.index] = (ep, row)
                 self._ask(engine, ep)
 
         try:
             start(prompts, rows, seeds)
             while True:
-                if more is not None and (extra := more(episodes)):
+                fresh = more is not None and bool(extra := more(episodes))
+                if streaming:   # `more` has seen these end
+                    for ep in [ep for ep in episodes if ep.done]:
+                        ep.check()
+                        del running[ep.index]
+                    episodes[:] = [ep for ep in episodes if not ep.done]
+                if fresh:
                     start(*extra)
                 if all(ep.done for ep in episodes):
+                    if fresh:   # episodes that ended as they started: `more` sees them before the run ends
+                        continue
                     break
                 if engine.pending() and not (engine.lock_step and waiting):
                     for key, tokens, logprobs, *versions in self._finished_turns(engine):
-                        ep = episodes[key]
+                        ep, row = running[key]
                         text, raw = self._texts(tokens)
                         ep.add_model_turn(tokens, logprobs, text, *versions)
-                        waiting[self.pool.submit(self._react, ep, envs, env_rows[key], text, raw, started)] = ep
+                        waiting[self.pool.submit(self._react, ep, envs, row, text, raw, started)] = ep
                 elif waiting:
-                    wait(list(waiting), timeout=self._time_left(waiting, started),
+                    timeout = self._time_left(waiting, started)
+                    if streaming:   # new groups may come while every episode waits for its environment
+                        timeout = STREAMING_POLL_S if timeout is None else min(timeout, STREAMING_POLL_S)
+                    wait(list(waiting), timeout=timeout,
                          return_when="ALL_COMPLETED" if engine.lock_step else FIRST_COMPLETED)
                 else:
                     raise AssertionError("agent loop: episodes left with nothing submitted or running")
-                self._collect(engine, waiting, started, envs if close_finished else None)
+                self._collect(engine, waiting, started, envs if streaming else None)
             finished = True
         finally:
             if not finished:

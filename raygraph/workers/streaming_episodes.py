@@ -137,8 +137,8 @@ class StreamedEpisodes:
         self.changed = threading.Condition()
         self.stopped = False
         self._queue: list[tuple[str, int, list[int], dict]] = []   # (uid, member, prompt ids, env row), to start
-        self._started: list[tuple[str, int]] = []   # handed to the loop, in order, not yet seen as episodes
-        self._seen = 0   # episodes of the running loop seen so far
+        self._started: dict[int, tuple[str, int]] = {}   # episode index -> (uid, member): handed, not yet seen
+        self._handed = 0   # episodes handed to the running loop so far
 
     # ------------------------------------------------------------------------------ in
     def submit(self, prompts: Batch) -> int:
@@ -156,21 +156,24 @@ class StreamedEpisodes:
             self.tokens_per_version[version] += tokens
 
     def more(self, episodes: list[Episode]):
-        """The agent loop's `more` hook, asked between polls: note the episodes it started since
-        the last call, wake the waiters, and hand it the queued episodes (none once stopped, or
-        while an update waits without partial rollouts)."""
+        """The agent loop's `more` hook (a streaming run, `AgentLoop.run(streaming=True)`), asked
+        between polls with the episodes not yet seen ended: note those it started since the last
+        call, wake the waiters, and hand it the queued episodes (none once stopped, or while an
+        update waits without partial rollouts). The loop numbers the episodes it starts 0, 1, ...
+        in the order they are handed over, which is how each finds its group."""
         with self.changed:
-            for ep in episodes[self._seen:]:
-                uid, member = self._started.pop(0)
-                self.groups[uid][1][member] = ep
-            self._seen = len(episodes)
+            for ep in episodes:
+                if (slot := self._started.pop(ep.index, None)) is not None:
+                    uid, member = slot
+                    self.groups[uid][1][member] = ep
             self.changed.notify_all()
             if self.stopped or not self._queue or (not self.partial and not self.no_update.is_set()):
                 return None
             batch, self._queue = self._queue, []
             for uid, member, _, _ in batch:
                 self.groups[uid][1][member] = _STARTED
-                self._started.append((uid, member))
+                self._started[self._handed] = (uid, member)
+                self._handed += 1
         return [ids for _, _, ids, _ in batch], [row for *_, row in batch], [None] * len(batch)
 
     def startable(self) -> bool:
@@ -179,9 +182,11 @@ class StreamedEpisodes:
             return bool(self._queue) and not self.stopped and (self.partial or self.no_update.is_set())
 
     def new_loop(self) -> None:
-        """A new agent loop starts: its episodes are counted from 0."""
+        """A new agent loop starts: its episodes are numbered from 0 again."""
         with self.changed:
-            self._seen = 0
+            if self._started:   # the last loop ended without seeing every episode it started: a bug
+                raise AssertionError(f"streamed episodes handed to an agent loop were never seen: {self._started}")
+            self._handed = 0
 
     # ------------------------------------------------------------------------------ out
     @staticmethod
@@ -259,7 +264,7 @@ class EpisodeStreamLoop:
                     continue
                 self.streamed.new_loop()
                 with torch.no_grad():
-                    self.agent.run(self.turns, [], [], [], more=self.streamed.more, close_finished=True)
+                    self.agent.run(self.turns, [], [], [], more=self.streamed.more, streaming=True)
         except _Stopped:
             return
         except BaseException as exc:   # surfaced by `check()` in the caller's thread

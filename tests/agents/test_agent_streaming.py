@@ -64,7 +64,8 @@ def _model(path: str, weights: list[tuple[str, torch.Tensor]] | None = None) -> 
 
 def test_episodes_streamed_across_weight_updates_keep_each_tokens_version_and_logprob(tiny_model_path, prompts):
     """The rank's background agent loop runs 12 two-turn episodes while the main thread loads two
-    new weight versions, each once the loop has made 5 model calls with the previous one. Every
+    new weight versions, each once the loop has made 5 model calls with the previous one, and
+    runs a greedy validation between the two (its log-probs are version 1's). Every
     model token's log-prob is its own version's (recomputed with the observations attended),
     versions never go down along an episode, an update landed inside a turn, the tool/observation
     tokens carry the version before them, and the per-version token counts add up."""
@@ -81,12 +82,18 @@ def test_episodes_streamed_across_weight_updates_keep_each_tokens_version_and_lo
             worker.load_weights([new], version=version)
             reached.clear()
             models[version] = _model(tiny_model_path, new)
+            if version == 1:   # a validation's episodes on the same engine, while the stream runs
+                validation = worker.generate(prompts.select([0, 1]), greedy=True)
         figures = worker.stream_wait(uids, timeout_s=120)
         assert figures["ready"] == 1.0 and figures["in_flight"] == 0.0
         rows = worker.stream_take(Batch(meta={STREAM_TAKE: {0: uids}}))
     finally:
         worker.stream_stop()
     assert list(rows[UID]) == [u for u in uids for _ in range(2)]   # whole groups, in order
+    seen = validation[RESPONSE_MASK].bool()
+    assert len(validation) == 2 and (validation[AGENT_TURNS] >= 1).all()
+    assert torch.allclose(validation[ROLLOUT_LOGPROBS][seen], response_logprobs(models[1], validation)[0][seen],
+                          atol=1e-5)   # sampled with version 1 throughout
     assert (rows[AGENT_TURNS] == 2).any()
     mask, versions = rows[RESPONSE_MASK].bool(), rows[TOKEN_WEIGHT_VERSION]
     observed = rows[RESPONSE_ATTENTION].bool() & ~mask

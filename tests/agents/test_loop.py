@@ -186,29 +186,54 @@ def test_a_timed_out_reaction_ends_only_its_episode():
     assert [e.truncation for e in eps] == ["env_timeout", "none"]
 
 
-def test_with_close_finished_each_environment_is_closed_as_its_episode_ends():
-    """Streaming runs go on while work comes in, so `close_finished` closes an episode's
-    environment when the episode ends, while others still run; without it, when the run ends."""
-    def closed_while_the_next_runs(close_finished: bool) -> list[bool]:
+def test_a_streaming_run_starts_work_while_others_wait_and_closes_each_environment_as_it_ends():
+    """`streaming` (a rank's loop that runs as long as training): an episode handed over by `more`
+    while every running episode waits for a slow environment starts at once (`more` is asked at
+    least every 0.1 s), an ended episode's environment is closed then, not when the run ends, and
+    ended episodes are forgotten. Without it, the new episode waits for the slow step (1 s)."""
+    def run(streaming: bool) -> tuple[list[int], list[bool], list]:
         Countdown.closed.clear()
-        seen = []
+        ended, closed_first, begun = [], [], time.monotonic()
 
         def more(episodes):
-            if len(episodes) == 1 and episodes[0].done:   # episode 1 starts once episode 0 has ended
+            for ep in episodes:
+                if ep.done and ep.index not in ended:
+                    ended.append(ep.index)
+                    closed_first.append(ep.uid in Countdown.closed)
+            if time.monotonic() - begun > 0.3 and not more.handed:   # "submitted" while episode 0 waits
+                more.handed = True
                 return [PROMPT], [{"uid": 1, "extra_info": {}}], [0]
-            if len(episodes) == 2 and not episodes[1].done:
-                seen.append(0 in Countdown.closed)
             return None
+        more.handed = False
 
         engine = ScriptedEngine({0: ["a"], 1: ["b"]})
-        loop(env_args={"turns": 1}).run(engine, [PROMPT], rows(1), [0], more=more, close_finished=close_finished)
-        assert sorted(Countdown.closed) == [0, 1]   # each closed once, either way
-        return seen
+        out = loop(env_args={"turns": 1, "sleep_s": 1.0}).run(engine, [PROMPT], [{"uid": 0, "extra_info": {"slow": 1}}],
+                                                           [0], more=more, streaming=streaming)
+        assert sorted(Countdown.closed) == [0, 1]   # each environment closed once, either way
+        return ended, closed_first, out
 
-    closing = closed_while_the_next_runs(True)
-    assert closing and all(closing)
-    keeping = closed_while_the_next_runs(False)
-    assert keeping and not any(keeping)
+    ended, closed_first, out = run(streaming=True)
+    assert ended == [1, 0] and closed_first == [True, True] and out == []
+    ended, closed_first, out = run(streaming=False)
+    assert ended == [0, 1] and closed_first == [False, False] and [ep.index for ep in out] == [0, 1]
+
+
+def test_more_sees_every_episode_it_hands_over_even_one_that_ends_as_it_starts():
+    """An episode with no room for a turn ends as it starts ("context"); the run must not end
+    before `more` has seen it (a streaming rank would wait for it for ever)."""
+    budgets = AgentBudgets(max_turns=2, max_new_tokens=4, max_total_tokens=len(PROMPT) + 2, max_message_tokens=8)
+    seen = []
+
+    def more(episodes):
+        seen.extend(ep.index for ep in episodes if ep.done and ep.index not in seen)
+        if not more.handed:
+            more.handed = True
+            return [PROMPT * 3], [{"uid": 9, "extra_info": {}}], [0]
+        return None
+    more.handed = False
+
+    out = loop(budgets=budgets).run(ScriptedEngine({}), [], [], [], more=more)
+    assert [ep.truncation for ep in out] == ["context"] and seen == [0]
 
 
 def test_async_environments_and_lock_step_engines_give_the_same_episodes():

@@ -251,7 +251,7 @@ def test_streamed_episodes_continue_their_turns_across_a_weight_update(worker, m
                         stopped=lambda: False, count_tokens=after_wave)
     streamed.submit(prompts)
     try:
-        loop.run(turns, [], [], [], more=streamed.more, close_finished=True)
+        loop.run(turns, [], [], [], more=streamed.more, streaming=True)
         rows = streamed.take(list(prompts[UID]), version=1)
     finally:
         loop.shutdown()
