@@ -173,3 +173,34 @@ def test_groups_of_episodes_are_handed_out_only_whole_and_once(tiny_model_path):
         streamed.take(["a"], version=5)
     with pytest.raises(ValueError, match="submitted twice"):
         streamed.submit(_batch(["b"]))
+
+
+class _Breaks:
+    """A user environment with a bug."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, response):
+        raise ValueError("the environment broke")
+
+
+def test_an_environment_that_raises_in_a_streamed_episode_fails_the_ranks_next_call_with_its_message(
+        tiny_model_path, prompts):
+    """The background loop dies with the environment's error; the rank's next streaming call (the
+    driver's wait, in slices of 2 s) raises it, naming the environment and the episode, instead of
+    waiting for a group that will never finish."""
+    from raygraph.agents.env import register_env
+
+    register_env("test_agent_streaming.breaks", _Breaks)
+    worker = HFRolloutWorker(model_path=tiny_model_path, seed=0, n=2, max_new_tokens=4, temperature=1.0,
+                             agent={**AGENT, "env": "test_agent_streaming.breaks"})
+    uids = list(prompts.select([0])[UID])
+    worker.stream_submit(prompts.select([0]))
+    try:
+        with pytest.raises(RuntimeError, match=r"streaming episode loop failed: .*_Breaks raised in episode \d+ "
+                                               r"\(uid .*\) after turn 1: ValueError: the environment broke"):
+            for _ in range(10):
+                worker.stream_wait(uids, timeout_s=2.0)
+    finally:
+        worker.stream_stop()
