@@ -613,3 +613,24 @@ def test_an_engine_core_in_the_rollout_process_is_refused_where_it_cannot_be():
     assert core(problems(MINIMAL, ("rollout.engine=hf", "rollout.vllm_engine_core=own_process"))) == [
         "rollout.vllm_engine_core is a vLLM setting, but the rollout engine is hf (rollout.engine=hf); "
         "set rollout.engine=vllm or remove it"]
+
+
+def test_a_vllm_context_longer_than_the_models_positions_is_refused_before_anything_starts(tmp_path):
+    """The vLLM engine's context (rollout.max_model_len, or the longest request the run can send)
+    must fit the model's max_position_embeddings (512 for the tiny presets); vLLM would refuse it
+    only once the rollout actors start. The fix named depends on where the length comes from."""
+    tiny = {**MINIMAL, "model": {"tiny": "small"}, "trainer": {"total_steps": 1, "output_dir": str(tmp_path)}}
+    context = lambda found: [p for p in found if "max_position_embeddings" in p]  # noqa: E731
+    assert context(problems(tiny, ("rollout.engine=vllm", "data.max_prompt_length=480", "rollout.max_new_tokens=64"))) \
+        == ["the vLLM engine's context would be 544 tokens (rollout.max_model_len, or the longest request the run can "
+            "send), more than the model's max_position_embeddings=512: make data.max_prompt_length + "
+            "rollout.max_new_tokens <= 512"]
+    assert context(problems(tiny, ("rollout.engine=vllm", "rollout.max_model_len=600"))) == [
+        "the vLLM engine's context would be 600 tokens (rollout.max_model_len, or the longest request the run can "
+        "send), more than the model's max_position_embeddings=512: set rollout.max_model_len <= 512"]
+    agent = ("rollout.engine=vllm", "rollout.agent.env=retry_with_feedback", "reward.kind=env",
+             "rollout.max_new_tokens=128")
+    assert context(problems(tiny, agent))[0].endswith(": set rollout.agent.max_total_tokens <= 512")
+    assert context(problems(tiny, (*agent, "rollout.agent.max_total_tokens=512"))) == []
+    assert context(problems(tiny, ("rollout.engine=vllm",))) == []
+    assert context(problems(tiny, ("rollout.engine=hf", "data.max_prompt_length=480", "rollout.max_new_tokens=64"))) == []

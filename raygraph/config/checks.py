@@ -222,6 +222,14 @@ def _vllm(cfg: RaygraphConfig) -> list[str]:
                         f"rollout worker; the rollout bundles have {gpus:g}")
     if rollout.vllm_engine_core == "in_process":
         problems.extend(_in_process_problems(cfg, gpus))
+    context = getattr(_model_config(cfg), "max_position_embeddings", None)
+    if context is not None and cfg.rollout_context > context:
+        fix = f"set rollout.max_model_len <= {context}" if rollout.max_model_len is not None else \
+            f"set rollout.agent.max_total_tokens <= {context}" if rollout.agent is not None else \
+            f"make data.max_prompt_length + rollout.max_new_tokens <= {context}"
+        problems.append(f"the vLLM engine's context would be {cfg.rollout_context} tokens (rollout.max_model_len, or "
+                        f"the longest request the run can send), more than the model's max_position_embeddings="
+                        f"{context}: {fix}")
     return problems
 
 

@@ -342,6 +342,15 @@ class RaygraphConfig(Section):
         return auto_engine(self)[0]
 
     @property
+    def rollout_context(self) -> int:
+        """Tokens one rollout request may hold (the vLLM engine's `max_model_len`): rollout.max_model_len,
+        else the longest the run can send (prompt + response, or an agent's max_total_tokens)."""
+        r, prompt = self.rollout, self.data.max_prompt_length
+        if r.max_model_len is not None:
+            return r.max_model_len
+        return r.agent.total_tokens(prompt, r.max_new_tokens) if r.agent is not None else prompt + r.max_new_tokens
+
+    @property
     def uses_critic(self) -> bool:
         """True when the advantage estimator needs a value model (declared with the estimator)."""
         return "values" in estimator_needs(self.algorithm.advantage)

@@ -112,11 +112,8 @@ def _rollout_args(cfg) -> dict:
     if r.agent is not None:
         sampling["agent"] = _agent_args(cfg)
     if cfg.resolved_rollout_engine == "vllm":
-        longest = cfg.data.max_prompt_length + r.max_new_tokens   # what the run can send
-        if r.agent is not None:
-            longest = r.agent.total_tokens(cfg.data.max_prompt_length, r.max_new_tokens)
         return {**sampling, "gpu_memory_utilization": r.gpu_memory_utilization,
-                "max_model_len": r.max_model_len or longest,
+                "max_model_len": cfg.rollout_context,
                 "tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
                 "enable_prefix_caching": r.enable_prefix_caching, "enable_sleep_mode": r.sleep_between_steps,
                 "engine_core": r.vllm_engine_core, "partial_rollouts": r.partial_rollouts,
