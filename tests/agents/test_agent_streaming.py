@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from new_weights import perturbed
 
 from raygraph.agents.episode import Episode
 from raygraph.batch import (
@@ -50,10 +51,6 @@ def _worker(path: str, partial: bool = True) -> HFRolloutWorker:
                            agent=AGENT, partial_rollouts=partial)
 
 
-def _perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(k, v + 0.2 * torch.randn(v.shape, generator=gen)) for k, v in model.state_dict().items()]
-
 
 def _model(path: str, weights: list[tuple[str, torch.Tensor]] | None = None) -> torch.nn.Module:
     model = load_causal_lm(path).eval()
@@ -78,7 +75,7 @@ def test_episodes_streamed_across_weight_updates_keep_each_tokens_version_and_lo
     try:
         for version in (1, 2):
             assert reached.wait(60), "the loop made no model calls"
-            new = _perturbed(worker.model, seed=version)
+            new = perturbed(worker.model, seed=version)
             worker.load_weights([new], version=version)
             reached.clear()
             models[version] = _model(tiny_model_path, new)
@@ -129,7 +126,7 @@ def test_without_partial_rollouts_an_update_waits_for_the_started_episodes(tiny_
     worker.stream_submit(first)
     try:
         assert reached.wait(60)
-        update = threading.Thread(target=worker.load_weights, args=([_perturbed(worker.model, seed=1)], 1))
+        update = threading.Thread(target=worker.load_weights, args=([perturbed(worker.model, seed=1)], 1))
         update.start()
         while worker._no_update.is_set():   # until the update is waiting (for the started episodes)
             time.sleep(0.001)

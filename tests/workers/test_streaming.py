@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from new_weights import perturbed
 
 from raygraph.batch import (
     ADVANTAGES,
@@ -50,10 +51,6 @@ def _worker(path: str, n: int = 2) -> HFRolloutWorker:
                            micro_batch_size=8)
 
 
-def _perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(k, v + 0.2 * torch.randn(v.shape, generator=gen)) for k, v in model.state_dict().items()]
-
 
 def _stop_after(calls: int):
     """A `keep_going` that allows `calls` model calls (the prefill and calls - 1 decode steps)."""
@@ -75,7 +72,7 @@ def test_a_sample_continued_across_a_weight_update_keeps_each_tokens_version_and
     streamed.extend(wave, worker.continue_samples(wave, 0, _stop_after(4)), version=0)
     assert all(len(s.tokens) == 4 or s.done for s in wave) and streamed.ready() == {}
 
-    worker.load_weights([_perturbed(worker.model, seed=1)], version=1)
+    worker.load_weights([perturbed(worker.model, seed=1)], version=1)
     while streamed.in_flight():
         wave = streamed.unfinished(8)
         streamed.extend(wave, worker.continue_samples(wave, 1, lambda: True), version=1)
@@ -160,7 +157,7 @@ def test_the_background_loop_takes_weights_that_land_mid_request(tiny_model_path
     try:
         for version in (1, 2):
             assert reached.wait(30), "the loop made no model calls"
-            new = _perturbed(worker.model, seed=version)
+            new = perturbed(worker.model, seed=version)
             worker.load_weights([new], version=version)
             reached.clear()
             weights[version] = load_causal_lm(tiny_model_path).eval()
@@ -202,7 +199,7 @@ def test_without_partial_rollouts_an_update_waits_for_the_started_samples(tiny_m
     worker.stream_submit(_prompts(uids))
     try:
         assert reached.wait(30)
-        new = _perturbed(worker.model, seed=1)
+        new = perturbed(worker.model, seed=1)
         worker.load_weights([new], version=1)   # waits for the 4 samples of the first wave to finish
         assert worker.stream_wait(uids, timeout_s=60)["ready"] == 1.0
         rows = worker.stream_take(Batch(meta={STREAM_TAKE: {0: uids}}))
