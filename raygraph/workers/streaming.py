@@ -43,7 +43,7 @@ from raygraph.batch import (
 )
 
 __all__ = ["Continuation", "Sample", "StreamLoop", "StreamedSamples", "WAVE_TOKENS", "new_groups", "pop_whole",
-           "wait_whole"]
+           "wait_whole", "wave_gate"]
 
 WAVE_TOKENS = 16   # tokens a wave decodes at most before the next wave is formed (continuous batching)
 
@@ -60,6 +60,13 @@ class Sample:
     done: bool = False
     in_wave: bool = False   # being continued by a wave (its tokens arrive when the wave ends)
 
+    def add(self, more: Continuation, version: int) -> None:
+        """Append what a wave with the weights of `version` generated."""
+        self.tokens += more.tokens
+        self.logprobs += more.logprobs
+        self.versions += [version] * len(more.tokens)
+        self.done = more.done
+
 
 @dataclass
 class Continuation:
@@ -74,6 +81,18 @@ class Continuation:
 # sample from its token ids with the weights of `version`, stopping early when `keep_going()`
 # turns false (checked before each model call, under the engine's weights lock).
 ContinueSamples = Callable[[Sequence[Sample], int, Callable[[], bool]], list[Continuation]]
+
+
+def wave_gate(version: int, current: Callable[[], int], no_update: threading.Event, *, partial: bool,
+              stopped: Callable[[], bool], wave_tokens: int = WAVE_TOKENS) -> Callable[[], bool]:
+    """A wave's `keep_going`, asked before each model call: at most `wave_tokens` calls, none once
+    stopped, and with partial rollouts none once an update waits or has landed (`current()` is no
+    longer the wave's `version`)."""
+    calls = iter(range(wave_tokens))
+    if partial:
+        return lambda: (next(calls, None) is not None and not stopped() and no_update.is_set()
+                        and current() == version)
+    return lambda: next(calls, None) is not None and not stopped()
 
 
 # ------------------------------------------------------------------------------ groups by uid
@@ -189,10 +208,8 @@ class StreamedSamples:
         """Append what a wave with the weights of `version` generated to each sample."""
         with self.changed:
             for sample, more in zip(samples, continuations, strict=True):
-                sample.tokens += more.tokens
-                sample.logprobs += more.logprobs
-                sample.versions += [version] * len(more.tokens)
-                sample.done, sample.in_wave = more.done, False
+                sample.add(more, version)
+                sample.in_wave = False
                 self.tokens_per_version[version] += len(more.tokens)
             self.changed.notify_all()
 
@@ -295,7 +312,9 @@ class StreamLoop:
                     continue
                 start = time.perf_counter()
                 version = self.version()
-                more = self.continue_samples(wave, version, self._keep_going(version))
+                more = self.continue_samples(wave, version, wave_gate(
+                    version, self.version, self.no_update, partial=self.partial, stopped=self._stop.is_set,
+                    wave_tokens=self.wave_tokens))
                 self.samples.extend(wave, more, version)
                 self.waves += 1
                 self.busy_s += time.perf_counter() - start
@@ -303,15 +322,6 @@ class StreamLoop:
             self.error = exc
             with self.samples.changed:
                 self.samples.changed.notify_all()
-
-    def _keep_going(self, version: int) -> Callable[[], bool]:
-        """Asked before each model call of a wave: stop at `wave_tokens` calls, at a stop, and
-        (partial rollouts) when an update waits or has landed."""
-        calls = iter(range(self.wave_tokens))
-        if self.partial:
-            return lambda: (next(calls, None) is not None and not self._stop.is_set()
-                            and self.no_update.is_set() and self.version() == version)
-        return lambda: next(calls, None) is not None and not self._stop.is_set()
 
     def check(self) -> None:
         """Raise the loop's error, if it died, in the caller's thread."""

@@ -40,7 +40,15 @@ from raygraph.batch import (
     Batch,
 )
 from raygraph.workers.agent_rollout import env_row, episode_rows
-from raygraph.workers.streaming import WAVE_TOKENS, ContinueSamples, Sample, new_groups, pop_whole, wait_whole
+from raygraph.workers.streaming import (
+    WAVE_TOKENS,
+    ContinueSamples,
+    Sample,
+    new_groups,
+    pop_whole,
+    wait_whole,
+    wave_gate,
+)
 
 __all__ = ["EpisodeStreamLoop", "StreamTurns", "StreamedEpisodes", "episode_stream"]
 
@@ -96,26 +104,18 @@ class StreamTurns:
         keys = list(self._turns)[:self.wave_rows]
         wave = [self._turns[k] for k in keys]
         start, version = time.perf_counter(), self.version()
-        more = self.continue_samples(wave, version, self._keep_going(version))
+        more = self.continue_samples(wave, version, wave_gate(version, self.version, self.no_update,
+                                                               partial=self.partial, stopped=self.stopped,
+                                                               wave_tokens=self.wave_tokens))
         self.busy_s += time.perf_counter() - start
         finished = []
         for key, turn, add in zip(keys, wave, more, strict=True):
-            turn.tokens += add.tokens
-            turn.logprobs += add.logprobs
-            turn.versions += [version] * len(add.tokens)
-            if add.done:
+            turn.add(add, version)
+            if turn.done:
                 del self._turns[key]
                 finished.append((key, turn.tokens, turn.logprobs, turn.versions))
         self.count_tokens(version, sum(len(add.tokens) for add in more))
         return finished
-
-    def _keep_going(self, version: int) -> Callable[[], bool]:
-        """Asked before each model call: at most `wave_tokens` calls, and with partial rollouts none
-        once an update waits or has landed."""
-        calls = iter(range(self.wave_tokens))
-        if self.partial:
-            return lambda: next(calls, None) is not None and self.no_update.is_set() and self.version() == version
-        return lambda: next(calls, None) is not None
 
 
 class StreamedEpisodes:
