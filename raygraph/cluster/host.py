@@ -22,6 +22,7 @@ from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import collective, tasks
 from raygraph.cluster.errors import CallSite, RemoteFailure, WeightSyncError
 from raygraph.cluster.rendezvous import listening_socket, master_store, member_store
+from raygraph.cluster.startup_heap import quiet_heap
 from raygraph.cluster.weights import CollectiveTransport, InProcessTransport
 
 __all__ = ["RoleHost", "Coordinator"]
@@ -92,7 +93,8 @@ class RoleHost:
                                     timeout=datetime.timedelta(seconds=timeout_s))
 
     def construct(self, role: str, factory: Callable, kwargs: dict) -> None:
-        with self._guard(role, "__init__"):
+        # the worker's imports and model build without the collector's repeated full passes
+        with quiet_heap(), self._guard(role, "__init__"):
             self.workers[role] = factory(**kwargs)
 
     # --- direct calls ---------------------------------------------------------------------------

@@ -94,6 +94,9 @@ def engine_here(in_process: bool) -> Iterator[None]:
     envs.disable_envs_cache()   # an engine built here before froze them; read this one's choice
     if in_process:
         _keep_distributed_state_at_shutdown()
+        # the engine's start-up calls gc.collect() five times: with the heap so far frozen they walk
+        # only what the build makes (~1 s less per engine start here; unfrozen again below)
+        gc.freeze()
     before = os.environ.get(_ENV)
     os.environ[_ENV] = "0" if in_process else "1"
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
