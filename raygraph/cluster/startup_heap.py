@@ -5,12 +5,13 @@ objects). Python's cyclic garbage collector runs a full pass each time the heap 
 quarter, so these imports paid several passes over an ever larger heap; and every later full pass
 (vLLM's engine start calls `gc.collect()` five times) walked all of it again.
 
-`quiet_heap` turns the collector off for the start-up, collects once at its end (no cyclic
-garbage of the start-up is kept), and moves what is left, which lives as long as the process, out
-of the collector's view (`gc.freeze`). Memory is still freed by reference counting as before; a
-frozen object that later becomes part of a garbage cycle is not collected (`gc.unfreeze` puts the
-frozen objects back in view: `raygraph.workers.vllm_in_process` does so after an engine start).
-Measured in docs/benchmarks.md section 18.
+`quiet_heap` stops the full passes for the start-up (the young generations are still collected,
+so short-lived garbage cycles, e.g. of a model load, are freed as before), collects once at its
+end, and moves what is left, which lives as long as the process, out of the collector's view
+(`gc.freeze`). Memory is still freed by reference counting; a frozen object that later becomes
+part of a garbage cycle is not collected (`gc.unfreeze` puts the frozen objects back in view:
+`raygraph.workers.vllm_in_process` does so after an engine start). Measured in
+docs/benchmarks.md section 18.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ from collections.abc import Iterator
 
 __all__ = ["quiet_heap"]
 
+_NO_FULL_PASS = 1 << 30   # the oldest generation's threshold: never reached in a start-up
+
 
 @contextlib.contextmanager
 def quiet_heap() -> Iterator[None]:
-    """Run the block with the cyclic garbage collector off; then collect once and freeze what is
-    left. The collector is on afterwards if it was before."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """Run the block without full collections; then collect once and freeze what is left."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], _NO_FULL_PASS)
     try:
         yield
     finally:
+        gc.set_threshold(*thresholds)
         gc.collect()
         gc.freeze()
-        if was_enabled:
-            gc.enable()
