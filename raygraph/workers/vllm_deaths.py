@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 
 from raygraph.errors import RoleFailed
 
-__all__ = ["FirstError", "RolloutEngineDied", "engine_guard", "exit_when_orphaned", "watch_engine"]
+__all__ = ["FirstError", "RolloutEngineDied", "engine_guard", "errors_dir", "exit_when_orphaned", "watch_engine"]
 
 
 class RolloutEngineDied(RoleFailed, RuntimeError):
@@ -38,7 +39,7 @@ class RolloutEngineDied(RoleFailed, RuntimeError):
 def watch_engine(engine: Any) -> Path:
     """Record the first error the engine's worker processes log, in a file this process reads
     when the engine dies (vLLM logs the cause there and raises only `EngineDeadError` here)."""
-    path = Path(tempfile.mkdtemp(prefix="raygraph-vllm-")) / "first_error.txt"   # written by the first error
+    path = errors_dir() / "first_error.txt"   # written by the first error
     engine.collective_rpc("raygraph_record_errors", args=(str(path),))
     from raygraph.workers.vllm_in_process import runs_here
 
@@ -49,6 +50,32 @@ def watch_engine(engine: Any) -> Path:
         engine.collective_rpc("raygraph_exit_when_orphaned")
         _wake_waiters_when_the_engine_dies(client, path)
     return path
+
+
+_ERRORS_DIR_PREFIX = "raygraph-vllm-"
+
+
+def errors_dir(root: Path | None = None) -> Path:
+    """A new directory in `root` (the temporary directory) for an engine's first-error file, named
+    `raygraph-vllm-<pid>-<random>` after this process. Those of processes that have ended are
+    removed first: an actor is killed at the end of a run, never asked to clean up, and each
+    engine start left one behind."""
+    root = Path(tempfile.gettempdir()) if root is None else root
+    for old in root.glob(f"{_ERRORS_DIR_PREFIX}*-*"):
+        pid = old.name[len(_ERRORS_DIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{_ERRORS_DIR_PREFIX}{os.getpid()}-", dir=root))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 def _dead_after_a_failed_step(client: Any, errors: Path) -> None:

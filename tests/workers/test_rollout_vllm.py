@@ -8,6 +8,8 @@ tiny Qwen2 at size "small" (head_dim 32, as every preset: vLLM's CPU attention n
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -114,6 +116,13 @@ def test_generate_has_the_hf_workers_columns_layout_and_stop_handling(worker, mo
 
     greedy = worker.generate(prompts, greedy=True)
     assert len(greedy) == 3 and list(greedy[UID]) == ["p0", "p1", "p2"]
+
+
+def test_the_engines_first_error_file_is_in_a_directory_named_after_its_process(worker):
+    """So that the next engine start on the machine removes it once this process has ended
+    (vllm_deaths.errors_dir; tests/workers/test_vllm_error_dirs.py)."""
+    assert worker._errors.name == "first_error.txt"
+    assert worker._errors.parent.name.startswith(f"raygraph-vllm-{os.getpid()}-")
 
 
 def test_rollout_logprobs_equal_the_policys_recomputation(worker, model_paths, prompts):
