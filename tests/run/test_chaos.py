@@ -16,8 +16,9 @@ bit-equal wherever one policy and one rollout rank live):
   step 3 is trained, and the rollout rank dies in step 5 after the policy updated (each a
   run-level recovery: the small layout restarts fastest);
 - disaggregated, two policy ranks, two rollout+reward ranks and the reference on a pool of its
-  own with a KL loss: a rollout rank kills itself in step 3's reward stage, the reference is
-  killed once step 3 is trained (both stage level), policy rank 0 once step 5 is;
+  own with a KL loss: a rollout rank kills itself in step 3's reward stage, reference rank 0 kills
+  itself in its first call of step 4 (both stage level), policy rank 0 is killed once step 5 is
+  trained;
 - the compiled executor on the small disaggregated layout: the rollout rank kills itself in step 3."""
 
 from __future__ import annotations
@@ -288,6 +289,39 @@ if ray.is_initialized() and ray.get_runtime_context().get_actor_id():   # in the
 '''
 
 
+# Imported by every actor (trainer.plugins): reference rank 0 kills its own process (kill -9) in
+# its first call once step 3 is in the ledger, i.e. in step 4 before the policy's update, so the
+# step can run again at stage level. A kill from the test's process raced the step: it waited for
+# the actor's pid behind that very call and landed after the update (then at run level).
+REFERENCE_DIES_IN_STEP_4 = '''
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import ray
+
+from raygraph.run.ledger import effective_steps
+from raygraph.workers.reference import ReferenceWorker
+
+RUN_DIR, MARKER = Path({run_dir!r}), Path({marker!r})
+_logprobs = ReferenceWorker.logprobs
+
+
+def _dying_logprobs(self, batch):
+    name = ray.get_runtime_context().get_actor_name() or ""
+    if name.endswith("/reference/0") and 3 in effective_steps(RUN_DIR) and not MARKER.exists():
+        MARKER.write_text(json.dumps({{"killed_at": time.time(), "actor": name}}))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _logprobs(self, batch)
+
+
+if ray.is_initialized() and ray.get_runtime_context().get_actor_id():   # in the actors, not in the driver
+    ReferenceWorker.logprobs = _dying_logprobs
+'''
+
+
 def _dying_reward(tmp: Path, run_dir: Path, *, in_step: int, after_update_in_step: int) -> str:
     """The `reward.function` override of a DYING_REWARD written for `run_dir` (markers in `tmp`)."""
     reward = tmp / "dying_reward.py"
@@ -328,24 +362,27 @@ def disaggregated_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) 
 
 @pytest.fixture(scope="module", autouse=True)
 def _drivers_rollout_class_left_alone():
-    """The save-killing plugin patches the rollout class in the actors only: the driver (this pytest
+    """The save- and reference-killing plugins patch their classes in the actors only: the driver (this pytest
     worker, which imports a run's plugins too) runs later modules, whose tests must see the real one."""
+    from raygraph.workers.reference import ReferenceWorker
     from raygraph.workers.rollout_hf import HFRolloutWorker
 
-    real = HFRolloutWorker.save_checkpoint
+    real, real_reference = HFRolloutWorker.save_checkpoint, ReferenceWorker.logprobs
     yield
     assert HFRolloutWorker.save_checkpoint is real, "a chaos plugin patched the driver's HFRolloutWorker"
+    assert ReferenceWorker.logprobs is real_reference, "a chaos plugin patched the driver's ReferenceWorker"
 
 
 @pytest.fixture(scope="module")
 def disaggregated_2x2_chaos(tmp_path_factory, tiny_model_path, toy_data, ray_local) -> ChaosRun:
     tmp = tmp_path_factory.mktemp("chaos_disaggregated_2x2")
     run_dir = tmp / "grpo_toy" / "chaos"
+    dying_reference = tmp / "dying_reference.py"
+    dying_reference.write_text(REFERENCE_DIES_IN_STEP_4.format(run_dir=str(run_dir),
+                                                               marker=str(tmp / "reference_killed.json")))
     cfg = _cfg(tmp, tiny_model_path, toy_data, "chaos", *LAYOUTS["disaggregated_2x2"],
-               _dying_reward(tmp, run_dir, in_step=3, after_update_in_step=0))
-    prefix = f"{cfg.experiment}/chaos/"
-    killers = {"reference": Killer(run_dir, prefix, "reference", after_step=3),
-               "policy": Killer(run_dir, prefix, "policy", after_step=5)}
+               _dying_reward(tmp, run_dir, in_step=3, after_update_in_step=0), f"plugins=[{dying_reference}]")
+    killers = {"policy": Killer(run_dir, f"{cfg.experiment}/chaos/", "policy", after_step=5)}
     return _run_capturing(cfg, run_dir, tmp, killers)
 
 
@@ -432,16 +469,16 @@ def test_a_killed_rollout_actor_is_restarted_alone_and_its_step_rerun(disaggrega
 
 
 def test_a_killed_reference_actor_is_restarted_alone(disaggregated_2x2_chaos):
-    """Stage-level recovery of a frozen model: the reference, on a pool of its own, is killed once
-    step 3 is trained; the step that needs it next fails, only the reference is started again
+    """Stage-level recovery of a frozen model: reference rank 0, on a pool of its own, is killed
+    (kill -9) in its first call of step 4; the step fails, only the reference is started again
     (same model, nothing to restore), the step runs again, and nothing is reloaded."""
     chaos = disaggregated_2x2_chaos
-    killer = chaos.killers["reference"]
-    assert killer.killed_at is not None and killer.victim == f"{chaos.cfg.experiment}/chaos/reference/0"
+    killed = json.loads((chaos.markers / "reference_killed.json").read_text())
+    assert killed["actor"] == f"{chaos.cfg.experiment}/chaos/reference/0"
     failure, done = chaos.recoveries[1]
-    assert failure["kind"] == done["kind"] == "stage" and failure["dead_actors"] == [killer.victim]
+    assert failure["kind"] == done["kind"] == "stage" and failure["dead_actors"] == [killed["actor"]]
     assert failure["failed_step"] == done["rerun_step"] == 4
-    print(f"\n[chaos] stage-level reference: failure detected {failure['time'] - killer.killed_at:.2f}s after "
+    print(f"\n[chaos] stage-level reference: failure detected {failure['time'] - killed['killed_at']:.2f}s after "
           f"kill -9, step {done['rerun_step']} running again {done['restart_s']:.1f}s after detection")
     metrics = _metrics(chaos.run_dir)
     assert all(m["actor/kl_loss"] > 0 for m in metrics[1:])
