@@ -60,22 +60,14 @@ def errors_dir(root: Path | None = None) -> Path:
     `raygraph-vllm-<pid>-<random>` after this process. Those of processes that have ended are
     removed first: an actor is killed at the end of a run, never asked to clean up, and each
     engine start left one behind."""
+    import psutil
+
     root = Path(tempfile.gettempdir()) if root is None else root
     for old in root.glob(f"{_ERRORS_DIR_PREFIX}*-*"):
         pid = old.name[len(_ERRORS_DIR_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{_ERRORS_DIR_PREFIX}{os.getpid()}-", dir=root))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process
-        return True
-    return True
 
 
 def _dead_after_a_failed_step(client: Any, errors: Path) -> None:
