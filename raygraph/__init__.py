@@ -14,6 +14,8 @@ registers its own pieces by name, then a config refers to that name:
 see docs/custom-algorithm.md.
 """
 
+import raygraph.models.transformers_index as _transformers_index
+
 __version__ = "0.1.0"
 __all__ = ["register_policy_loss", "register_advantage", "register_reward", "register_kl_estimator",
            "register_dpo_loss"]
@@ -26,6 +28,9 @@ _PUBLIC = {
     "register_kl_estimator": ("raygraph.algos.kl", "register_kl_estimator"),
     "register_dpo_loss": ("raygraph.algos.dpo", "register_dpo_loss"),
 }
+
+
+_transformers_index.use_stored_index()   # ~0.5 CPU-s less in every process that imports transformers
 
 
 def __getattr__(name: str):
