@@ -31,7 +31,10 @@ lint: $(STAMP)
 
 # Two pytest workers (-n 2): one test at a time left a core idle about half the time (most tests run
 # one thread). Each worker has its own local Ray; a module stays on one worker (tests/conftest.py).
+# compileall: raygraph's bytecode written once; where PYTHONDONTWRITEBYTECODE=1 is set (as on the CI
+# machines) every actor and subprocess would otherwise compile its ~100 raygraph modules (~0.1 CPU-s).
 test: lint
+	$(PY) -m compileall -q raygraph workflows
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 # The inner loop: lint + the tests that need no Ray, subprocess or vLLM engine and take <= ~5 s (under a minute).

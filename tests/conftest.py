@@ -27,6 +27,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # step test took 147 s beside one busy core, 52 s with sleeping threads (docs/benchmarks.md section
 # 4). Actors inherit it through the local Ray's environment; subprocess tests through os.environ.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# As the local Ray of `raygraph train` (raygraph.run.setup.start_ray): no idle workers prestarted,
+# which raygraph's actors (runtime envs of their own) never use and which poll the whole session.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # The tiny model's ops take microseconds; with 2 OpenMP threads on a busy 2-core machine each op
 # waits ~10 ms for the other thread. One thread is faster here and deterministic.
 torch.set_num_threads(1)

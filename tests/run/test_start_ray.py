@@ -1,6 +1,6 @@
 """Which Ray `raygraph train` joins or starts (docs/cluster.md): `--address`, then `trainer.ray_address`,
-then `RAY_ADDRESS`; without any, a local Ray whose workers run at niceness 0. `ray.init` is replaced by a
-recorder: no Ray starts here."""
+then `RAY_ADDRESS`; without any, a local Ray whose workers run at niceness 0 and with no idle workers
+prestarted. `ray.init` is replaced by a recorder: no Ray starts here."""
 
 from __future__ import annotations
 
@@ -20,26 +20,28 @@ TOY = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_toy.yaml")
 
 @pytest.fixture
 def inits(monkeypatch) -> list[dict]:
-    """Every `ray.init` call: its keyword arguments and the `RAY_worker_niceness` it saw."""
+    """Every `ray.init` call: its keyword arguments and the Ray settings of the environment it saw."""
     calls: list[dict] = []
 
     def init(**kwargs):
-        calls.append({**kwargs, "niceness": os.environ.get("RAY_worker_niceness")})
+        calls.append({**kwargs, "niceness": os.environ.get("RAY_worker_niceness"),
+                      "prestart": os.environ.get("RAY_prestart_worker_first_driver")})
         return SimpleNamespace(dashboard_url=None)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
-    monkeypatch.setenv("RAY_worker_niceness", "unset by the test")   # restored afterwards, then removed
-    monkeypatch.delenv("RAY_worker_niceness")
+    for name in ("RAY_worker_niceness", "RAY_prestart_worker_first_driver"):
+        monkeypatch.setenv(name, "unset by the test")   # restored afterwards, then removed
+        monkeypatch.delenv(name)
     for name in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
         monkeypatch.delenv(name, raising=False)
     return calls
 
 
-def test_the_local_ray_starts_its_workers_at_niceness_0(inits):
+def test_the_local_ray_starts_its_workers_at_niceness_0_and_prestarts_none(inits):
     setup.start_ray(load_config(TOY), None)
     [call] = inits
-    assert call["address"] == "local" and call["niceness"] == "0"
+    assert call["address"] == "local" and call["niceness"] == "0" and call["prestart"] == "0"
 
 
 def test_address_flag_then_config_then_ray_address_env(inits, monkeypatch):
