@@ -4,7 +4,7 @@
 its ~1,100 model files exports, by reading the text of every file: ~0.5 CPU-s in every process
 that imports transformers (each actor, the driver, each CLI subprocess). The index depends only on
 the installed transformers files, so the first process stores it and later ones read it back
-(~2 ms).
+(~2 ms). Storing an index removes those of other installs not written for 30 days.
 
 `use_stored_index()` (called when `raygraph` is imported) wraps transformers'
 `define_import_structure` as soon as its module is loaded, so the wrapper is in place before
@@ -25,12 +25,14 @@ import marshal
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["INDEX_ENV", "index_file", "use_stored_index"]
 
 INDEX_ENV = "RAYGRAPH_TRANSFORMERS_INDEX"
 _MODULE = "transformers.utils.import_utils"
+_STALE_S = 30 * 24 * 3600   # another install's index not written for 30 days is removed
 
 
 def use_stored_index() -> None:
@@ -115,3 +117,17 @@ def _write(path: Path, stored: dict) -> None:
     except (OSError, ValueError):
         if tmp is not None:
             Path(tmp.name).unlink(missing_ok=True)
+        return
+    _prune(path)
+
+
+def _prune(kept: Path) -> None:
+    """Remove the indexes of other installs (an old venv, an earlier transformers) not written for
+    `_STALE_S`: each is ~0.3 MB, and one that is still in use is simply built again."""
+    now = time.time()
+    for other in kept.parent.glob("transformers-index-*.marshal"):
+        try:
+            if other != kept and now - other.stat().st_mtime > _STALE_S:
+                other.unlink()
+        except OSError:   # removed by another process meanwhile
+            continue

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -59,6 +60,25 @@ def test_the_index_is_scanned_once_stored_and_read_back_as_a_fresh_copy(tmp_path
     transformers_index._wrap(again)
     again.define_import_structure("models", "models")
     assert scans[-1] == ("models", "models") and len(scans) == 3
+
+
+def test_storing_an_index_removes_other_installs_indexes_unwritten_for_30_days(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "raygraph"
+    folder.mkdir(parents=True)
+    old, recent, unrelated = (folder / "transformers-index-old.marshal", folder / "transformers-index-recent.marshal",
+                              folder / "notes.txt")
+    for path in (old, recent, unrelated):
+        path.write_bytes(b"")
+    month_ago = time.time() - 31 * 24 * 3600
+    os.utime(old, (month_ago, month_ago))
+    os.utime(unrelated, (month_ago, month_ago))
+    os.utime(recent, (time.time() - 29 * 24 * 3600,) * 2)
+    module = _fake_transformers(tmp_path / "transformers", [])
+    transformers_index._wrap(module)
+    module.define_import_structure("models", "models")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [index_file(tmp_path / "transformers").name, recent.name, unrelated.name])
 
 
 def test_a_new_model_file_or_another_install_gets_another_index(tmp_path):
