@@ -32,6 +32,7 @@ __all__ = ["INDEX_ENV", "index_file", "use_stored_index"]
 
 INDEX_ENV = "RAYGRAPH_TRANSFORMERS_INDEX"
 _MODULE = "transformers.utils.import_utils"
+_PREFIX = "transformers-index-"   # of the stored indexes' file names
 _STALE_S = 30 * 24 * 3600   # another install's index not written for 30 days is removed
 
 
@@ -49,13 +50,13 @@ def use_stored_index() -> None:
 def index_file(transformers_dir: Path) -> Path | None:
     """Where the index of the transformers installed at `transformers_dir` is stored (None: unknown install)."""
     try:
-        marks = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (transformers_dir / "__init__.py",
-                                                                     transformers_dir / "models")]
+        stats = [p.stat() for p in (transformers_dir / "__init__.py", transformers_dir / "models")]
     except OSError:
         return None
+    marks = [(st.st_size, st.st_mtime_ns) for st in stats]
     key = hashlib.sha256(repr((str(transformers_dir), marks, sys.version_info[:2])).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raygraph"
-    return cache / f"transformers-index-{key}.marshal"
+    return cache / f"{_PREFIX}{key}.marshal"
 
 
 class _WrapOnLoad:
@@ -123,9 +124,10 @@ def _write(path: Path, stored: dict) -> None:
 
 def _prune(kept: Path) -> None:
     """Remove the indexes of other installs (an old venv, an earlier transformers) not written for
-    `_STALE_S`: each is ~0.3 MB, and one that is still in use is simply built again."""
+    `_STALE_S`: each is ~0.3 MB, and one that is still in use is simply built again. A temporary
+    file that a killed writer left (`<index name><random>`) goes the same way."""
     now = time.time()
-    for other in kept.parent.glob("transformers-index-*.marshal"):
+    for other in kept.parent.glob(f"{_PREFIX}*"):
         try:
             if other != kept and now - other.stat().st_mtime > _STALE_S:
                 other.unlink()

@@ -68,10 +68,12 @@ def test_storing_an_index_removes_other_installs_indexes_unwritten_for_30_days(t
     folder.mkdir(parents=True)
     old, recent, unrelated = (folder / "transformers-index-old.marshal", folder / "transformers-index-recent.marshal",
                               folder / "notes.txt")
-    for path in (old, recent, unrelated):
+    left_by_a_killed_writer = folder / "transformers-index-old.marshalk2j4x9"
+    for path in (old, recent, unrelated, left_by_a_killed_writer):
         path.write_bytes(b"")
     month_ago = time.time() - 31 * 24 * 3600
     os.utime(old, (month_ago, month_ago))
+    os.utime(left_by_a_killed_writer, (month_ago, month_ago))
     os.utime(unrelated, (month_ago, month_ago))
     os.utime(recent, (time.time() - 29 * 24 * 3600,) * 2)
     module = _fake_transformers(tmp_path / "transformers", [])
