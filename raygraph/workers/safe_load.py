@@ -4,8 +4,8 @@ A checkpoint is data, but two of torch's loaders unpickle: `torch.load(weights_o
 torch.distributed.checkpoint (DCP), whose `.metadata` file is read with `pickle.load` and whose
 non-tensor entries (optimizer hyperparameters) with `torch.load(weights_only=False)`. Unpickling
 a planted file runs whatever it names. Here DCP reads `.metadata` with an unpickler that only
-builds DCP's own metadata classes (and `torch.Size`, dtypes, layouts, paths), and its non-tensor
-entries with `torch.load(weights_only=True)`; anything else is a `CheckpointError`.
+builds DCP's own metadata classes (and `torch.Size`, dtypes, layouts, paths, and the members of
+those enums), and its non-tensor entries with `torch.load(weights_only=True)`; anything else is a `CheckpointError`.
 
 `CheckpointError` is the one error type for a checkpoint that cannot be trusted or read
 (damaged, truncated, unsafe, or written by an incompatible version); `raygraph.run.checkpoint`
@@ -14,6 +14,7 @@ raises it too.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from pathlib import Path
@@ -44,10 +45,21 @@ _ALLOWED = {
 }
 
 
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """`getattr(cls, name)`, as some Python 3.11 releases pickle an enum member (Debian 12's 3.11.2;
+    3.11.7 pickles it by value), for a member of an enum the unpickler already allowed, nothing else."""
+    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"refusing to load getattr({cls!r}, {name!r}): only an enum member of a "
+                                 "checkpoint's metadata is loaded by name")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a checkpoint's metadata")

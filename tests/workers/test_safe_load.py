@@ -70,6 +70,47 @@ def test_round_trip_restores_everything_without_unpickling(tmp_path, monkeypatch
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws  # RNG restored
 
 
+def test_a_checkpoint_whose_metadata_names_enum_members_by_getattr_loads(tmp_path, monkeypatch):
+    """Python 3.11.2 (Debian 12's) pickles an enum member as `getattr(cls, name)`; 3.11.7 by value.
+    A checkpoint written either way loads."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    model, optimizer, scheduler = _trained()
+    monkeypatch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self.name)))
+    save_train_state(tmp_path, model, optimizer, scheduler)
+    monkeypatch.undo()
+    assert b"getattr" in (tmp_path / "dcp" / ".metadata").read_bytes()
+    fresh, fresh_opt, fresh_sched = _trained(seed=1)
+    load_train_state(tmp_path, fresh, fresh_opt, fresh_sched)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("target", ["pathlib.PosixPath.write_text", "torch.distributed.checkpoint.metadata.Metadata.__init__",
+                                    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING.__class__"])
+def test_getattr_in_dcp_metadata_loads_enum_members_only(tmp_path, target):
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from raygraph.workers.safe_load import _MetadataUnpickler
+
+    module, cls, attr = target.rsplit(".", 2)
+
+    class _ByName:
+        def __init__(self, owner, name):
+            self.owner, self.name = owner, name
+
+        def __reduce__(self):
+            return getattr, (self.owner, self.name)
+
+    def load(obj):
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+
+    assert load(_ByName(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")) is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    owner = getattr(__import__(module, fromlist=[cls]), cls)
+    with pytest.raises(pickle.UnpicklingError, match="only an enum member"):
+        load(_ByName(owner, attr))
+
+
 def test_a_planted_pickle_in_place_of_the_extra_file_is_refused_not_run(tmp_path):
     model, optimizer, scheduler = _trained()
     save_train_state(tmp_path, model, optimizer, scheduler)
