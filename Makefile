@@ -1,7 +1,14 @@
 # Two commands: `make demo` (set up and run the CPU demo) and `make test` (set up and run the suite).
 # Both create .venv/ if it is missing. torch==2.13.0 is installed first so that CPU machines
 # take the local CPU build instead of downloading a multi-GB CUDA build; then vLLM's CPU build.
-PYTHON ?= python3
+# The interpreter of .venv: Python 3.11 (the file of torch 2.13.0, CPU build, on these machines'
+# disk is built for it). The system's /usr/bin/python3.11 where there is one that can make a venv: Debian builds it with
+# profile-guided and link-time optimisation, while the `python3` first on PATH here (pyenv's
+# default build) has neither. The suite is mostly Python work in fresh actor processes (imports):
+# with Debian's build an actor's start takes ~11% less CPU (docs/benchmarks.md section 20).
+# `make venv PYTHON=...` (on a machine without .venv, or after `make clean`) picks another.
+SYSTEM_PY := /usr/bin/python3.11
+PYTHON ?= $(shell $(SYSTEM_PY) -c 'import ensurepip, venv' 2>/dev/null && echo $(SYSTEM_PY) || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
