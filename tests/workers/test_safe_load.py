@@ -70,16 +70,21 @@ def test_round_trip_restores_everything_without_unpickling(tmp_path, monkeypatch
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws  # RNG restored
 
 
-def test_a_checkpoint_whose_metadata_names_enum_members_by_getattr_loads(tmp_path, monkeypatch):
-    """Python 3.11.2 (Debian 12's) pickles an enum member as `getattr(cls, name)`; 3.11.7 by value.
-    A checkpoint written either way loads."""
+_ENUM_PICKLES = {"by_name": lambda self, proto: (getattr, (type(self), self.name)),   # Python 3.11.2
+                 "by_value": lambda self, proto: (type(self), (self.value,))}        # Python 3.11.7
+
+
+@pytest.mark.parametrize("form", sorted(_ENUM_PICKLES))
+def test_a_checkpoint_loads_whichever_way_its_python_pickled_enum_members(tmp_path, monkeypatch, form):
+    """Python 3.11.2 (Debian 12's) pickles an enum member as `getattr(cls, name)`, 3.11.7 by value:
+    torch's DCP metadata holds one. A checkpoint written either way loads under this interpreter."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     model, optimizer, scheduler = _trained()
-    monkeypatch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self.name)))
+    monkeypatch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__", _ENUM_PICKLES[form])
     save_train_state(tmp_path, model, optimizer, scheduler)
     monkeypatch.undo()
-    assert b"getattr" in (tmp_path / "dcp" / ".metadata").read_bytes()
+    assert (b"getattr" in (tmp_path / "dcp" / ".metadata").read_bytes()) == (form == "by_name")
     fresh, fresh_opt, fresh_sched = _trained(seed=1)
     load_train_state(tmp_path, fresh, fresh_opt, fresh_sched)
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
