@@ -4,7 +4,8 @@ For each model (saved with `raygraph.models.tiny.build_tiny_lm`, size "tiny" and
 directory given with `--model`, e.g. SmolLM2-135M-Instruct):
 
 * disaggregated: `PolicyWorker` (1 rank) -> the rollout engine's worker (1 and 2 ranks) through the
-  verified, bucketed broadcast (`CollectiveTransport`, gloo);
+  verified, bucketed `CollectiveTransport`: payloads through /dev/shm, headers over gloo (`--transports
+  shm`, what a run on one host does), or every byte over gloo (`gloo`, as between hosts);
 * colocated: the same pair fused in one actor (`InProcessTransport`);
 * per engine (`--engines hf,vllm`): `HFRolloutWorker` copies into its model's parameters,
   `VLLMRolloutWorker` loads into the running engine (vLLM's layerwise reload, re-packing each
@@ -97,7 +98,7 @@ class TransportPeer:
 
     def join(self, addr: str, port: int) -> None:
         from raygraph.cluster import collective
-        from raygraph.cluster.weights import CollectiveTransport
+        from raygraph.cluster.collective_transport import CollectiveTransport
 
         collective.join(self.group, self.rank, 2, addr, port, device="cpu", timeout_s=120.0,
                         labels=["policy rank 0", "rollout rank 0"])
@@ -154,7 +155,7 @@ def transport_sync(model_path: str, nbytes: int, repeats: int, bucket_bytes: int
 
 
 def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_bytes: int,
-               engine: str = "hf", cpus: float = 1.0) -> dict:
+               engine: str = "hf", cpus: float = 1.0, shared_memory: bool = True) -> dict:
     rollout_cls, rollout_kwargs = ENGINES[engine]
     pools = {"train": PoolSpec(bundles=receivers + (mode == "disaggregated"), cpus_per_bundle=cpus)}
     specs = {"policy": RoleSpec(PolicyWorker, {"model_path": model_path, "lr": 1e-6}, pool="train"),
@@ -165,7 +166,8 @@ def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_
                                    world_size=receivers, pool="train")
     with build_roles(f"bench-sync/{engine}/{mode}/{receivers}", pools, specs, weight_sync=[("policy", "rollout")],
                      colocate=[("policy", "rollout")] if mode == "colocated" else [],
-                     bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300) as roles:
+                     bucket_bytes=bucket_bytes, placement_timeout_s=120, weight_sync_timeout_s=300,
+                     weight_sync_shared_memory=shared_memory) as roles:
         roles.weights.sync_now()   # warm-up
         stats, walls = [], []
         for _ in range(repeats):
@@ -177,7 +179,9 @@ def roles_sync(model_path: str, mode: str, receivers: int, repeats: int, bucket_
     nbytes = stats[0]["weights/bytes"]
     return {"bytes": int(nbytes), "sync_s": round(sync_s, 4), "driver_wall_s": round(wall_s, 4),
             "gbytes_per_s": round(nbytes / sync_s / 1e9, 3),
-            "verified": min(s["weights/verified"] for s in stats)}
+            "verified": min(s["weights/verified"] for s in stats),
+            **({"via_shared_memory": stats[0]["weights/via_shared_memory"]}
+               if "weights/via_shared_memory" in stats[0] else {})}
 
 
 def main() -> None:
@@ -187,6 +191,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--engines", default="hf", help="rollout engines to receive: hf, vllm or hf,vllm")
     parser.add_argument("--model", default=None, help="an HF model directory, measured after --sizes")
+    parser.add_argument("--transports", default="shm",
+                        help="disaggregated payloads: shm (through /dev/shm, the default), gloo, or shm,gloo "
+                             "(each measured; keys of gloo runs end in _gloo)")
     parser.add_argument("--cpus-per-rank", type=float, default=1.0,
                         help="CPUs of each rank's bundle; its torch threads follow (OMP_NUM_THREADS)")
     args = parser.parse_args()
@@ -203,9 +210,10 @@ def main() -> None:
             for engine in engines:
                 suffix = "" if engine == "hf" else f"_{engine}"
                 for receivers in (1, 2):
-                    entry[f"disaggregated_{receivers}rx{suffix}"] = roles_sync(path, "disaggregated", receivers,
-                                                                               args.repeats, bucket_bytes, engine,
-                                                                               args.cpus_per_rank)
+                    for transport in args.transports.split(","):
+                        key = f"disaggregated_{receivers}rx{suffix}" + ("_gloo" if transport == "gloo" else "")
+                        entry[key] = roles_sync(path, "disaggregated", receivers, args.repeats, bucket_bytes,
+                                                engine, args.cpus_per_rank, shared_memory=transport == "shm")
                 entry[f"colocated_1rank{suffix}"] = roles_sync(path, "colocated", 1, args.repeats, bucket_bytes, engine,
                                                                args.cpus_per_rank)
             nbytes = next(v["bytes"] for k, v in entry.items() if k.startswith("disaggregated_1rx"))

@@ -15,11 +15,12 @@ It knows nothing about graphs: `raygraph.graph` lowers a workflow's graph into a
 See docs/runtime.md.
 """
 
+from raygraph.cluster.collective_transport import CollectiveTransport
 from raygraph.cluster.errors import PlacementError, RoleError, WeightSyncError
 from raygraph.cluster.pools import PoolSpec
 from raygraph.cluster.roles import RoleGroup, Roles, RoleSpec, build_roles
 from raygraph.cluster.weight_sync import WeightSync
-from raygraph.cluster.weights import CollectiveTransport, InProcessTransport, WeightTransport
+from raygraph.cluster.weights import InProcessTransport, WeightTransport
 
 __all__ = ["PoolSpec", "RoleSpec", "RoleGroup", "Roles", "build_roles", "RoleError", "PlacementError",
            "WeightSyncError", "WeightSync", "WeightTransport", "InProcessTransport", "CollectiveTransport"]

@@ -56,9 +56,14 @@ class StandaloneGroup(BaseGroup):
 
     def arrive(self, what: str) -> None:
         """Barrier through the store: raise naming every member that did not arrive in time."""
+        self.exchange(what, "1")
+
+    def exchange(self, what: str, value: str) -> list[str]:
+        """Every member's `value`, by rank, through the store (all members call it in the same
+        order); raise naming every member that did not arrive in time."""
         self._arrivals += 1
         step = self._arrivals
-        self._store.set(f"arrive/{step}/{self._rank}", "1")
+        self._store.set(f"arrive/{step}/{self._rank}", value)
         keys = [f"arrive/{step}/{r}" for r in range(self._world_size)]
         try:
             self._store.wait(keys, timedelta(seconds=self.timeout_s))
@@ -69,6 +74,15 @@ class StandaloneGroup(BaseGroup):
             raise WeightSyncError(
                 f"weight-sync group {self._group_name!r} ({what}): {', '.join(missing)} did not "
                 f"arrive within {self.timeout_s:.0f}s (as seen by {self.labels[self._rank]})") from exc
+        return [self._store.get(k).decode() for k in keys]
+
+    def fence(self) -> None:
+        """A barrier in the group's own stream (gloo/NCCL), ordered with its broadcasts: returns
+        once every member has reached its matching `fence`."""
+        opts = dist.BarrierOptions()
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        if not self._pg.barrier(opts).wait():
+            raise WeightSyncError(f"barrier in {self._group_name!r} did not complete")
 
     @classmethod
     def backend(cls) -> str:

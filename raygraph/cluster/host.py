@@ -20,10 +20,11 @@ from typing import Any
 
 from raygraph.algos.user_code import import_plugins
 from raygraph.cluster import collective, tasks
+from raygraph.cluster.collective_transport import CollectiveTransport
 from raygraph.cluster.errors import CallSite, RemoteFailure, WeightSyncError
 from raygraph.cluster.rendezvous import listening_socket, master_store, member_store
 from raygraph.cluster.startup_heap import quiet_heap
-from raygraph.cluster.weights import CollectiveTransport, InProcessTransport
+from raygraph.cluster.weights import InProcessTransport
 
 __all__ = ["RoleHost", "Coordinator"]
 
@@ -150,14 +151,15 @@ class RoleHost:
         return collective.open_store(group, world, timeout_s)
 
     def weights_join(self, role: str, group: str, rank: int, world: int, addr: str, port: int,
-                     timeout_s: float, labels: list[str], verify: bool = True) -> None:
+                     timeout_s: float, labels: list[str], verify: bool = True,
+                     shared_memory: bool = True) -> None:
         import torch
 
         with self._guard(role, "weights_join"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             collective.join(group, rank, world, addr, port, device=device, timeout_s=timeout_s,
                             labels=labels)
-            self._transports[group] = CollectiveTransport(group, src=0, verify=verify)
+            self._transports[group] = CollectiveTransport(group, src=0, verify=verify, shared_memory=shared_memory)
 
     def _next_version(self, key: str, version: int | None) -> int:
         self._versions[key] = self._versions.get(key, 0) + 1 if version is None else version

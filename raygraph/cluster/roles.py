@@ -232,7 +232,8 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
                 placement_timeout_s: float = 60.0, weight_sync_timeout_s: float = 60.0,
                 bucket_bytes: int = 64 << 20, env_vars: dict[str, str] | None = None,
                 weight_sync: Sequence[tuple[str, str]] = (),
-                weight_sync_verify: bool = True, plugins: Sequence[str] = ()) -> Roles:
+                weight_sync_verify: bool = True, weight_sync_shared_memory: bool = True,
+                plugins: Sequence[str] = ()) -> Roles:
     """Create the placement groups, actors and workers of a run.
 
     Args:
@@ -252,6 +253,8 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
             here; fused pairs move weights in-process.
         weight_sync_verify: the collective groups' senders checksum every bucket and receivers
             refuse a bucket that does not match (in-process syncs of fused pairs always check).
+        weight_sync_shared_memory: a collective group whose members share a host moves bucket
+            bytes through /dev/shm (checked when the group is made), only headers over gloo.
         plugins: user code (module names or absolute `.py` paths) every actor imports when it
             starts, before its workers are constructed (`raygraph.algos.user_code`).
 
@@ -262,7 +265,8 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
     _validate(pools, specs, colocate)
     roles = Roles(run_name)
     roles.weights = WeightSync(run_name, roles.groups, bucket_bytes=bucket_bytes,
-                               timeout_s=weight_sync_timeout_s, verify=weight_sync_verify)
+                               timeout_s=weight_sync_timeout_s, verify=weight_sync_verify,
+                               shared_memory=weight_sync_shared_memory)
     try:
         for name, spec in pools.items():
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)

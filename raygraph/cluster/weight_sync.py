@@ -33,12 +33,15 @@ class WeightSync:
         timeout_s: bound on joining a group and on each transfer.
         verify: senders checksum every bucket and receivers refuse one that does not match
             (in-process syncs of fused pairs always check).
+        shared_memory: a group whose members share a host moves bucket bytes through /dev/shm
+            and only headers over the group (`raygraph.cluster.collective_transport`).
     """
 
     def __init__(self, run_name: str, groups: Mapping[str, RoleGroup], *, bucket_bytes: int,
-                 timeout_s: float, verify: bool = True):
+                 timeout_s: float, verify: bool = True, shared_memory: bool = True):
         self.run_name, self.groups = run_name, groups
         self.bucket_bytes, self.timeout_s, self.verify = bucket_bytes, timeout_s, verify
+        self.shared_memory = shared_memory
         self._collectives: dict[tuple[str, str], str] = {}   # (src, dst) -> collective group name
 
     def connect(self, pairs: Sequence[tuple[str, str]]) -> None:
@@ -55,7 +58,7 @@ class WeightSync:
             addr, port = wait_calls([sender.actors[0].weights_open.remote(name, world, self.timeout_s)],
                                     sender.sites[:1], ["weights_open"])[0]
             refs = [actor.weights_join.remote(role, name, rank, world, addr, port, self.timeout_s, labels,
-                                              self.verify)
+                                              self.verify, self.shared_memory)
                     for rank, (actor, _, role) in enumerate(members)]
             wait_calls(refs, [m[1] for m in members], ["weights_join"] * world, timeout_s=self.timeout_s + 10)
             self._collectives[(src, dst)] = name

@@ -176,6 +176,13 @@ class PlacementConfig(Section):
                                                        "refuses a bucket whose bytes do not match. false "
                                                        "skips both checksums (on CPU ~0.03 s per GB on "
                                                        "each side); syncs then report weights/verified = 0.")
+    weight_sync_shared_memory: bool = Field(True, description="Disaggregated weight sync on CPU between "
+                                                              "processes of one host: bucket bytes go "
+                                                              "through /dev/shm and only their headers "
+                                                              "over gloo (used when every receiver can "
+                                                              "read the sender's segment; reported as "
+                                                              "weights/via_shared_memory). false = every "
+                                                              "byte over gloo.")
     max_staleness: int = Field(0, ge=0, description="Rollouts may lag the policy by this many versions "
                                                     "(async pipelining); 0 = synchronous, 1 = the next "
                                                     "step's rollouts are sampled during this step's update; "

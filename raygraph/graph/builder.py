@@ -111,7 +111,7 @@ class GraphBuilder:
         """A node that pushes `src`'s weights to every `dst` rank once `after` is done.
 
         Its value is a dict: weights/verified, weights/version, weights/bytes, weights/sync_s (and
-        weights/receivers, weights/gbytes_per_s).
+        weights/receivers, weights/gbytes_per_s; weights/via_shared_memory over a collective group).
 
         Args:
             strict: raise on a bucket that fails verification (else report weights/verified=0).

@@ -44,6 +44,7 @@ RESUMABLE = (
     "trainer.warm_start",                # runs only before step 1: ignored by a resumed run
     "logging", "checkpoint",
     "placement.placement_timeout_s", "placement.weight_sync_timeout_s", "placement.weight_sync_verify",
+    "placement.weight_sync_shared_memory",
 )
 
 RESUMES = "resumes.jsonl"

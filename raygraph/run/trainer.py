@@ -121,7 +121,8 @@ def _run(cfg, address: str | None, stop: StopFlag, recoveries: Recoveries) -> Ru
                         weight_sync=plan.weight_sync, placement_timeout_s=cfg.placement.placement_timeout_s,
                         weight_sync_timeout_s=cfg.placement.weight_sync_timeout_s,
                         bucket_bytes=cfg.placement.weight_bucket_mb << 20,
-                        weight_sync_verify=cfg.placement.weight_sync_verify, plugins=cfg.plugins)
+                        weight_sync_verify=cfg.placement.weight_sync_verify,
+                        weight_sync_shared_memory=cfg.placement.weight_sync_shared_memory, plugins=cfg.plugins)
     if cfg.rollout.agent is not None and cfg.rollout.agent.dispatch == "least_loaded":
         try:
             roles.services.append(start_board(ctx.ray_name))

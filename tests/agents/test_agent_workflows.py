@@ -249,11 +249,16 @@ def test_an_agent_program_trains_with_ppo_disaggregated_and_lora(program_run):
 @pytest.mark.slow
 def test_an_agent_program_run_resumes_exactly(train, program_run):
     """Every call is seeded from its episode and its number, and the HF engine's waves hold every
-    running episode's next call (sorted by episode): a resume from step 1 redoes step 2 exactly."""
-    resumed = train("program_resumed", *PROGRAM_PPO, f"trainer.resume={program_run / 'checkpoints' / 'step_1'}")
+    running episode's next call (sorted by episode): a resume from step 1 redoes step 2 exactly.
+    The resumed run sends its weights over gloo (`placement.weight_sync_shared_memory=false`, as
+    between hosts), the first through shared memory: the step is the same either way."""
+    resumed = train("program_resumed", *PROGRAM_PPO, f"trainer.resume={program_run / 'checkpoints' / 'step_1'}",
+                    "placement.weight_sync_shared_memory=false")
     (got,) = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     expected = _steps(program_run)[1]
     assert got["step"] == 2 and set(got) == set(expected)
+    assert expected["weights/via_shared_memory"] == 1.0 and got.pop("weights/via_shared_memory") == 0.0
+    expected.pop("weights/via_shared_memory")
     assert {k: v for k, v in got.items() if not k.startswith(NOT_COMPARABLE)} == \
         {k: v for k, v in expected.items() if not k.startswith(NOT_COMPARABLE)}
     assert _dump(resumed, 2) == _dump(program_run, 2)

@@ -34,8 +34,9 @@ def test_weight_sync_meta_travels_as_json_and_is_never_unpickled():
     import pytest
     import torch
 
+    from raygraph.cluster.collective_transport import decode_meta, encode_meta
     from raygraph.cluster.errors import WeightSyncError
-    from raygraph.cluster.weights import decode_meta, encode_meta, pack_bucket, unpack_bucket
+    from raygraph.cluster.weights import pack_bucket, unpack_bucket
 
     bucket = [("w", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)), ("b", torch.ones(4))]
     meta, payload = pack_bucket(bucket, torch.device("cpu"), checksum=True)
