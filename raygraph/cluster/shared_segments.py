@@ -39,7 +39,7 @@ DEFAULT_DIR = "/dev/shm"
 _PREFIX = "raygraph-weights-"
 
 
-class SegmentUnavailable(OSError):
+class SegmentUnavailable(WeightSyncError):
     """A segment could not be created (no `/dev/shm`, or not enough space in it)."""
 
 
@@ -52,14 +52,14 @@ class Segment:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
-            raise SegmentUnavailable(exc.errno, f"cannot create {self.path}: {exc.strerror}") from exc
+            raise SegmentUnavailable(f"cannot create {self.path}: {exc.strerror}") from exc
         try:
             os.posix_fallocate(fd, 0, max(nbytes, 1))
             self._map = mmap.mmap(fd, max(nbytes, 1))
         except OSError as exc:
             os.close(fd)
             self.unlink()
-            raise SegmentUnavailable(exc.errno, f"cannot reserve {nbytes / 2**20:.0f} MiB in {directory} "
+            raise SegmentUnavailable(f"cannot reserve {nbytes / 2**20:.0f} MiB in {directory} "
                                                 f"({exc.strerror})") from exc
         os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
