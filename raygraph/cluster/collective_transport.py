@@ -141,7 +141,7 @@ class CollectiveTransport:
         return {"weights/bytes": float(total), "weights/buckets": float(count),
                 "weights/version": float(version), "weights/sync_s": time.perf_counter() - start}
 
-    def _recv_one(self, slot: int, index: int) -> tuple[dict, torch.Tensor, int | None] | None:
+    def _recv_one(self, slot: int, index: int) -> tuple[dict, Bucket, int | None] | None:
         # Communication thread: bucket `index` (into payload slot `slot`) and the checksum of what
         # arrived, computed here while the caller loads the bucket before; None at the end marker.
         if self._fenced(index):   # pairs with the sender's fence: bucket index - 2 is done with
@@ -163,11 +163,12 @@ class CollectiveTransport:
         else:
             payload = self._buffer(slot, payload_len)
             self._bcast(payload)
-        got = None if meta["checksum"] is None else bucket_checksum(t for _, t in unpack_bucket(meta, payload))
-        return meta, payload, got
+        bucket = unpack_bucket(meta, payload)
+        got = None if meta["checksum"] is None else bucket_checksum(t for _, t in bucket)
+        return meta, bucket, got
 
-    def _buckets(self) -> Iterator[tuple[dict, torch.Tensor, int | None]]:
-        """(meta, payload, checksum) per bucket, receiving one bucket ahead into the other slot.
+    def _buckets(self) -> Iterator[tuple[dict, Bucket, int | None]]:
+        """(meta, bucket, checksum) per bucket, receiving one bucket ahead into the other slot.
 
         Asking for bucket i + 1 starts the receive of bucket i + 2 into bucket i's slot.
         """
@@ -193,8 +194,7 @@ class CollectiveTransport:
         version = int(first[0]["version"])
 
         def verified() -> Iterator[Bucket]:
-            for meta, payload, got in _chain(first, stream):
-                bucket = unpack_bucket(meta, payload)
+            for meta, bucket, got in _chain(first, stream):
                 stats["buckets"] += 1
                 stats["shared"] += bool(meta.get("segment"))
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)

@@ -57,13 +57,12 @@ class Segment:
             os.posix_fallocate(fd, 0, max(nbytes, 1))
             self._map = mmap.mmap(fd, max(nbytes, 1))
         except OSError as exc:
-            os.close(fd)
             self.unlink()
             raise SegmentUnavailable(f"cannot reserve {nbytes / 2**20:.0f} MiB in {directory} "
-                                                f"({exc.strerror})") from exc
-        os.close(fd)
+                                     f"({exc.strerror})") from exc
+        finally:
+            os.close(fd)   # the mapping keeps the memory
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.linked = True
 
     def unlink(self) -> None:
         """Remove the name; mappings (ours, the receivers') stay valid until dropped."""
@@ -71,7 +70,6 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self.linked = False
 
 
 def map_readonly(directory: str, name: str) -> torch.Tensor:
