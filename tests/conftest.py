@@ -146,13 +146,13 @@ def ray_local():
     """One local Ray instance for the whole test session (8 logical CPUs on 2 real cores)."""
     import ray
 
-    from raygraph.run.setup import ACTOR_ENV  # what a run's own local Ray gives its actors (log levels)
+    from raygraph.run.setup import ACTOR_ENV, inherited_env  # as a run's own local Ray (log levels)
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {**ACTOR_ENV, "OMP_NUM_THREADS": "1",
-                                           "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
-                                           "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}})
+        # inherited by the raylet and so by every worker, as `raygraph train` does (no job runtime
+        # env: it would start each actor through Ray's setup_worker process)
+        with inherited_env({**ACTOR_ENV, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}):
+            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
     yield ray
     # Ray is shut down at interpreter exit; tests that need a fresh cluster start their own.
 

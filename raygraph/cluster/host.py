@@ -42,11 +42,14 @@ class RoleHost:
         actor_name: `<run>/<role>/<rank>` (or `<run>/<a+b>/<rank>` when fused).
         ranks: role name -> this actor's rank in that role.
         plugins: user modules or absolute `.py` paths to import first.
+        env: environment variables set in this process first (OMP_NUM_THREADS: torch's threads).
     """
 
-    def __init__(self, actor_name: str, ranks: dict[str, int], plugins: tuple[str, ...] = ()):
+    def __init__(self, actor_name: str, ranks: dict[str, int], plugins: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
         import torch
 
+        os.environ.update(env or {})   # before any worker is built (`raygraph.cluster.roles.START_ENV`)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         node_id, ip = _node()
         self.sites = {role: CallSite(role, rank, actor_name, node_id, ip) for role, rank in ranks.items()}
@@ -222,7 +225,8 @@ class _Guard:
 class Coordinator:
     """Runs whole-batch tasks (scatter, gather, apply, sync stats) off the driver."""
 
-    def __init__(self, run_name: str, plugins: tuple[str, ...] = ()):
+    def __init__(self, run_name: str, plugins: tuple[str, ...] = (), env: dict[str, str] | None = None):
+        os.environ.update(env or {})
         node_id, ip = _node()
         self.site = CallSite("coordinator", 0, f"{run_name}/coordinator", node_id, ip)
         with _Guard(self.site, "import plugins"):

@@ -270,7 +270,7 @@ def build_roles(run_name: str, pools: dict[str, PoolSpec], specs: dict[str, Role
     try:
         for name, spec in pools.items():
             roles.placement_groups[name] = create_pool(f"{run_name}/{name}", spec, placement_timeout_s)
-        env = {"TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
+        env = dict(env_vars or {})
         units = _fusion_units(specs, colocate)
         _create_hosts(roles, pools, specs, units, env, tuple(plugins))
         _init_distributed(roles, specs, placement_timeout_s)
@@ -307,6 +307,19 @@ def _fusion_units(specs: dict[str, RoleSpec], colocate) -> list[tuple[str, ...]]
     return [tuple(u) for u in colocate] + [(r,) for r in specs if r not in fused]
 
 
+# What each actor sets in its environment as it starts (`RoleHost`, `Coordinator`), with
+# OMP_NUM_THREADS (its whole CPUs, at least 1). Not through a per-actor Ray runtime env: any
+# runtime env makes Ray start the actor's process through its `setup_worker` process, ~0.35
+# CPU-s more per actor (docs/benchmarks.md section 6b). Only `build_roles(env_vars=...)`, which
+# may name variables read before an actor's first line runs, still takes that way.
+START_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def _runtime_env(explicit: dict[str, str], actor_env: dict[str, str]) -> dict:
+    """Actor options: a runtime env only when the caller gave environment variables of its own."""
+    return {"runtime_env": {"env_vars": actor_env}} if explicit else {}
+
+
 def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ...]) -> None:
     # Actors sharing a bundle split its resources evenly (fractional CPUs/GPUs).
     per_bundle: dict[tuple[str, int], int] = {}
@@ -321,9 +334,10 @@ def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ..
     # there. It needs no resources, so it fits any node; a soft affinity was not kept (Ray placed
     # it on a worker node when the driver's node had no CPUs).
     near_driver = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    coordinator_env = {**START_ENV, "OMP_NUM_THREADS": "1", **env}
     roles._start_coordinator = lambda: coordinator_cls.options(
         name=f"{roles.run_name}/coordinator", scheduling_strategy=near_driver,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **env}}).remote(roles.run_name, plugins)
+        **_runtime_env(env, coordinator_env)).remote(roles.run_name, plugins, coordinator_env)
     refs, labels = [], []
     members: dict[str, list] = {r: [] for r in specs}
     for unit in units:
@@ -334,11 +348,11 @@ def _create_hosts(roles: Roles, pools, specs, units, env, plugins: tuple[str, ..
             actor_name = f"{roles.run_name}/{'+'.join(unit)}/{rank}"
             cpus = pool.cpus_per_bundle / share
             cls = ray.remote(num_cpus=cpus, num_gpus=pool.gpus_per_bundle / share)(RoleHost)
-            threads = {"OMP_NUM_THREADS": str(max(1, int(cpus)))}
-            options = dict(name=actor_name, max_restarts=0, runtime_env={"env_vars": {**threads, **env}},
+            actor_env = {**START_ENV, "OMP_NUM_THREADS": str(max(1, int(cpus))), **env}
+            options = dict(name=actor_name, max_restarts=0, **_runtime_env(env, actor_env),
                            scheduling_strategy=PlacementGroupSchedulingStrategy(
                                roles.placement_groups[spec.pool], placement_group_bundle_index=bundle))
-            args = (actor_name, {role: rank for role in unit}, plugins)
+            args = (actor_name, {role: rank for role in unit}, plugins, actor_env)
             roles.launches[actor_name] = (cls, options, args, unit)   # to start it again in its bundle
             actor = cls.options(**options).remote(*args)
             roles.hosts.append(actor)

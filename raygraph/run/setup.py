@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +182,22 @@ def prepare_run(cfg) -> RunContext:
     return RunContext(cfg, run_dir, run_name, uri, cfg.model_dump(mode="json"), resumed)
 
 
+@contextlib.contextmanager
+def inherited_env(env: dict[str, str]) -> Iterator[None]:
+    """`env` in this process's environment for the block only: the processes of a local Ray
+    started in it (its raylet, hence every worker) inherit it; the driver keeps its own."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def start_ray(cfg, address: str | None) -> None:
     """Join `address` / `trainer.ray_address` / `RAY_ADDRESS`, or start a local Ray instance."""
     import ray  # here, not at the top: `raygraph validate` imports this module and never Ray
@@ -189,7 +207,6 @@ def start_ray(cfg, address: str | None) -> None:
     if ray.is_initialized():
         return
     address = address or cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": dict(ACTOR_ENV)}
     if address:
         log.info("joining Ray cluster at %s", address)
         # Inside `ray job submit`, Ray merges the job's runtime env with this one and refuses an
@@ -212,7 +229,10 @@ def start_ray(cfg, address: str | None) -> None:
         bundle_cpus += agent.env_hosts * agent.env_host_cpus * cfg.placement.rollout_workers
     # Logical CPUs may exceed physical cores so that small CPU layouts fit on a laptop.
     num_cpus = max(os.cpu_count() or 1, int(bundle_cpus + 2))
-    # address="local": always a fresh local instance, even if a `ray start` cluster runs here.
-    context = ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, log_to_driver=True)
+    # address="local": always a fresh local instance, even if a `ray start` cluster runs here. Its
+    # processes inherit ACTOR_ENV from the driver's environment rather than from a job runtime env,
+    # which would start every actor through Ray's `setup_worker` (raygraph.cluster.roles.START_ENV).
+    with inherited_env(ACTOR_ENV):
+        context = ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
     if context.dashboard_url:
         print(f"[raygraph] Ray dashboard: http://{context.dashboard_url}", flush=True)
