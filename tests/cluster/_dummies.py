@@ -87,9 +87,15 @@ class Policy:
     def pid(self) -> int:
         return os.getpid()
 
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
     def env(self) -> dict:
-        return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                               "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+        import ray
+
+        return {**{k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                  "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TOKENIZERS_PARALLELISM")},
+                "runtime_env_vars": dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})}
 
     def hang(self, batch: Batch, seconds: float) -> Batch:
         return hang(batch, seconds)

@@ -26,17 +26,25 @@ def test_actor_threads_follow_its_cpu_share(dummies):
     """torch intra-op threads = the actor's whole CPUs: 2 alone in a 2-CPU bundle, 1 when two
     actors share it; an explicit OMP_NUM_THREADS wins. The driver's OMP_WAIT_POLICY (the suite sets
     PASSIVE, tests/conftest.py) reaches the actors, as docs/benchmarks.md tells shared machines to do.
+    The actors set these themselves, with no Ray runtime env (which would start each through Ray's
+    setup_worker process, docs/runtime.md) unless `env_vars` asks for variables of the caller's.
     First in the file: its 2-CPU bundle needs room that the module's layouts (5 of the 8 CPUs) take."""
     pools = {"p": PoolSpec(bundles=1, cpus_per_bundle=2.0)}
     alone = {"policy": RoleSpec(dummies.Policy, {}, world_size=1, pool="p")}
     with build_roles("test-runtime/threads", pools, alone) as roles:
         env = roles.policy.call_rank0("env")
         assert env["OMP_NUM_THREADS"] == "2" and env["OMP_WAIT_POLICY"] == os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert env["TOKENIZERS_PARALLELISM"] == "false" and env["runtime_env_vars"] == {}
+        assert roles.policy.call_rank0("threads") == 2
     shared = {**alone, "rollout": RoleSpec(dummies.Rollout, {}, world_size=1, pool="p")}
     with build_roles("test-runtime/threads2", pools, shared, weight_sync=[("policy", "rollout")]) as roles:
-        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "1"
+        env = roles.policy.call_rank0("env")
+        assert env["OMP_NUM_THREADS"] == "1" and env["runtime_env_vars"] == {}
+        assert roles.policy.call_rank0("threads") == 1
     with build_roles("test-runtime/threads3", pools, alone, env_vars={"OMP_NUM_THREADS": "3"}) as roles:
-        assert roles.policy.call_rank0("env")["OMP_NUM_THREADS"] == "3"
+        env = roles.policy.call_rank0("env")
+        assert env["OMP_NUM_THREADS"] == "3" and env["runtime_env_vars"]["OMP_NUM_THREADS"] == "3"
+        assert roles.policy.call_rank0("threads") == 3
 
 
 @pytest.fixture(scope="module")

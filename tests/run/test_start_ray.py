@@ -25,7 +25,8 @@ def inits(monkeypatch) -> list[dict]:
 
     def init(**kwargs):
         calls.append({**kwargs, "niceness": os.environ.get("RAY_worker_niceness"),
-                      "prestart": os.environ.get("RAY_prestart_worker_first_driver")})
+                      "prestart": os.environ.get("RAY_prestart_worker_first_driver"),
+                      "env": {key: os.environ.get(key) for key in setup.ACTOR_ENV}})
         return SimpleNamespace(dashboard_url=None)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -42,6 +43,24 @@ def test_the_local_ray_starts_its_workers_at_niceness_0_and_prestarts_none(inits
     setup.start_ray(load_config(TOY), None)
     [call] = inits
     assert call["address"] == "local" and call["niceness"] == "0" and call["prestart"] == "0"
+
+
+def test_the_local_ray_inherits_the_actor_environment_and_the_driver_keeps_its_own(inits, monkeypatch):
+    """No job runtime env (it would start every actor through Ray's setup_worker process,
+    docs/runtime.md): the local Ray's processes see ACTOR_ENV in the environment they inherit while
+    `ray.init` starts them; the driver's own values are back afterwards, unset ones unset."""
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    setup.start_ray(load_config(TOY), None)
+    [call] = inits
+    assert "runtime_env" not in call and call["env"] == setup.ACTOR_ENV
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "info" and "VLLM_LOGGING_LEVEL" not in os.environ
+
+
+def test_a_cluster_run_gives_its_job_the_actor_environment(inits):
+    setup.start_ray(load_config(TOY), "head:6379")
+    [call] = inits
+    assert call["runtime_env"] == {"env_vars": setup.ACTOR_ENV}
 
 
 def test_address_flag_then_config_then_ray_address_env(inits, monkeypatch):
