@@ -157,9 +157,7 @@ def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
         if alive is None or not failed:   # shut down by us, not dead
             return
         procs = [p for p in manager.processes if p.name == failed]
-        for proc in procs:   # its pipe closes before the kernel can report how it ended; on a loaded
-            proc.join(timeout=JOIN_TIMEOUT_S)   # machine 1 s was not always enough to say how
-        codes = [p.exitcode for p in procs if p.exitcode is not None]
+        codes = _exit_codes(procs)
         how = (f"was killed by signal {-codes[0]}" if codes and codes[0] < 0
                else f"exited with code {codes[0]}" if codes else "exited")
         if not (errors.is_file() and errors.read_text().strip()):
@@ -170,6 +168,21 @@ def _wake_waiters_when_the_engine_dies(client: Any, errors: Path) -> None:
 
 
 JOIN_TIMEOUT_S = 5.0   # how long the watcher waits to learn how a dead engine process ended
+
+
+def _exit_codes(procs: list) -> list[int]:
+    """The exit codes of ended `multiprocessing` processes, waited for up to `JOIN_TIMEOUT_S`.
+
+    Its pipe closes before the kernel can report how a process ended (on a loaded machine 1 s was
+    not always enough). vLLM's own shutdown polls the same processes from another thread: when it
+    reaps one first, this thread's wait finds no child and returns before that thread has stored
+    the code, so the code is read again until it is there."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [p.exitcode for p in procs if p.exitcode is not None]
 
 
 class FirstError(logging.Handler):
