@@ -18,7 +18,6 @@ A segment is a file named `raygraph-weights-<pid>-<random>` in `/dev/shm`:
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
@@ -26,6 +25,7 @@ import uuid
 import warnings
 from typing import Protocol
 
+import psutil
 import torch
 
 from raygraph.cluster.errors import WeightSyncError
@@ -200,7 +200,7 @@ def remove_dead_senders_segments(directory: str = DEFAULT_DIR) -> list[str]:
         return removed
     for name in names:
         pid = name.removeprefix(_PREFIX).split("-", 1)[0]
-        if not name.startswith(_PREFIX) or not pid.isdigit() or _running(int(pid)):
+        if not name.startswith(_PREFIX) or not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -208,11 +208,3 @@ def remove_dead_senders_segments(directory: str = DEFAULT_DIR) -> list[str]:
         except OSError:
             pass
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno != errno.ESRCH   # EPERM: someone else's live process
-    return True
