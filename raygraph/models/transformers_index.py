@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.machinery
 import marshal
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from raygraph.models import import_hooks
 
 __all__ = ["INDEX_ENV", "index_file", "use_stored_index"]
 
@@ -43,8 +44,13 @@ def use_stored_index() -> None:
     loaded = sys.modules.get(_MODULE)
     if loaded is not None:
         _wrap(loaded)
-    elif not any(isinstance(finder, _WrapOnLoad) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _WrapOnLoad())
+    else:
+        import_hooks.wrap_exec(_MODULE, _exec_and_wrap)
+
+
+def _exec_and_wrap(exec_module, module) -> None:
+    exec_module(module)
+    _wrap(module)
 
 
 def index_file(transformers_dir: Path) -> Path | None:
@@ -57,25 +63,6 @@ def index_file(transformers_dir: Path) -> Path | None:
     key = hashlib.sha256(repr((str(transformers_dir), marks, sys.version_info[:2])).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raygraph"
     return cache / f"{_PREFIX}{key}.marshal"
-
-
-class _WrapOnLoad:
-    """A meta-path finder that lets Python load transformers' import utilities, then wraps them."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_wrap(module):
-            exec_module(module)
-            _wrap(module)
-
-        spec.loader.exec_module = exec_and_wrap
-        return spec
 
 
 def _wrap(module) -> None:
