@@ -78,11 +78,13 @@ def _generate_with_a_dead_engine(self, batch, **kwargs):
     if ledger.is_file() and '"step": 1' in ledger.read_text() and not MARKER.exists():
         import psutil
 
-        children = psutil.Process().children(recursive=True)
-        victims = [c.pid for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
-        for pid in victims or [c.pid for c in children]:
+        children = [(c.pid, c.name(), " ".join(c.cmdline())[:120]) for c in psutil.Process().children(recursive=True)]
+        # vLLM titles its engine core process "VLLM::EngineCore"; the kernel keeps 15 characters of a
+        # process name ("VLLM::EngineCor"), and a title set late may not be in the command line yet
+        victims = [pid for pid, name, cmdline in children if "EngineCor" in name + " " + cmdline]
+        for pid in victims or [pid for pid, _, _ in children]:
             os.kill(pid, signal.SIGKILL)
-        MARKER.write_text(json.dumps({{"at": time.time(), "victims": victims}}))
+        MARKER.write_text(json.dumps({{"at": time.time(), "victims": victims, "children": children}}))
     return _generate(self, batch, **kwargs)
 
 
@@ -127,7 +129,7 @@ def test_a_dead_vllm_engine_is_rebuilt_at_stage_level_and_nothing_changes(tmp_pa
     summary = run(cfg)
     assert VLLMRolloutWorker.generate is real_generate, "the plugin patched the driver's VLLMRolloutWorker"
     killed = json.loads(marker.read_text())
-    assert killed["victims"], "the engine was never killed"
+    assert killed["victims"], f"no engine core among the rollout actor's processes: {killed['children']}"
     assert summary.steps_done == STEPS
 
     records = [json.loads(line) for line in (run_dir / "recoveries.jsonl").read_text().splitlines()]
