@@ -64,6 +64,7 @@ def test_triton_counts_as_unusable_only_without_a_gpu_build_and_a_cpu_backend(tm
     _fake_triton(tmp_path / "with_cpu", "nvidia", "cpu")
     for backend in ("cuda", "hip", "xpu"):
         monkeypatch.setattr(torch.version, backend, None, raising=False)
+    monkeypatch.delitem(sys.modules, "triton", raising=False)   # imported by an earlier test: find_spec would name it
     monkeypatch.syspath_prepend(str(tmp_path / "gpu_only"))
     assert lean_imports.triton_unusable()
     monkeypatch.setattr(torch.version, "cuda", "13.0")   # a CUDA build: torch decides itself
