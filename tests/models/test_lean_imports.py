@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from raygraph.models import import_hooks, lean_imports
@@ -39,6 +40,7 @@ def _probe(**env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # two subprocesses: not in `make test-fast`
 def test_a_model_class_loads_without_scipy_and_triton_and_the_detection_losses_still_solve():
     """The cheapest assignment of the 3x3 cost matrix (hand-computed: 1 + 2 + 2 = 5, rows 0-2 to
     columns 1, 0, 2) comes from the put-off SciPy solver; switched off, both packages load as before."""

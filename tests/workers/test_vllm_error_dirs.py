@@ -54,9 +54,10 @@ class _ReapedElsewhere:
         return self._code if time.monotonic() >= self._at else None
 
 
-def test_the_death_watcher_reads_an_exit_code_stored_by_another_thread():
+def test_the_death_watcher_reads_an_exit_code_stored_by_another_thread(monkeypatch):
     """How a killed engine ended ("killed by signal 9") is still learned when vLLM's shutdown reaps
     the process first (a full `make test` once said only "exited")."""
+    monkeypatch.setattr(vllm_deaths, "JOIN_TIMEOUT_S", 1.0)   # the bound, shorter than the real 5 s
     assert vllm_deaths._exit_codes([_ReapedElsewhere(-9, after_s=0.2)]) == [-9]
     start = time.monotonic()
     assert vllm_deaths._exit_codes([_ReapedElsewhere(-9, after_s=60)]) == []   # bounded: gives up
