@@ -14,6 +14,8 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow   # one engine start (~15 s on 2 cores)
 
+from test_freed_memory import PAGES, reuse_faults  # noqa: E402
+
 from raygraph.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, ROLLOUT_LOGPROBS, UID, Batch  # noqa: E402
 from raygraph.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from raygraph.models.logprobs import response_logprobs  # noqa: E402
@@ -44,6 +46,8 @@ def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weight
     assert (after[ROLLOUT_LOGPROBS] - recomputed).abs()[after[RESPONSE_MASK] == 1].max() < 1e-4
     # Unfiltered, the engine logs "RotaryEmbedding: Failed to load weights" and the same for ParallelLMHead.
     assert "Failed to load weights" not in log.out + log.err
+    # The engine's process keeps freed memory for the next reload (raygraph.workers.freed_memory)
+    assert max(reuse_faults()[1:]) < PAGES // 20
 
 
 def _through_one_reused_buffer(named: list[tuple[str, torch.Tensor]], per_bucket: int):
