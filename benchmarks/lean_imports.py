@@ -15,33 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transformers_index import _process_cpu_s  # noqa: E402 - the same actor-like child, measured the same way
+from transformers_index import alternate  # noqa: E402 - the same actor-like child, measured the same way
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    from raygraph.models.tiny import build_tiny_lm
-
-    tmp = Path(tempfile.mkdtemp(prefix="raygraph-bench-lean-"))
-    model = str(build_tiny_lm(tmp / "tiny-lm"))
-    variants = {"plain": {"RAYGRAPH_LEAN_IMPORTS": "0"}, "lean": {}}
-    _process_cpu_s(variants["lean"], model, str(tmp / "out"))   # warm: the stored transformers index, the page cache
-    cpu = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, env in variants.items():
-            cpu[name].append(round(_process_cpu_s(env, model, str(tmp / "out")), 3))
-    med = {name: statistics.median(xs) for name, xs in cpu.items()}
-    print(json.dumps({"benchmark": "lean_imports", "rounds": args.rounds, "cpu_s_median": med, "cpu_s": cpu,
+    result = alternate({"plain": {"RAYGRAPH_LEAN_IMPORTS": "0"}, "lean": {}}, args.rounds, "raygraph-bench-lean-")
+    med = result["cpu_s_median"]
+    print(json.dumps({"benchmark": "lean_imports", "rounds": args.rounds, **result,
                       "lean_over_plain": round(med["lean"] / med["plain"], 3)}, indent=1))
-
 
 if __name__ == "__main__":
     main()
