@@ -25,6 +25,7 @@ from raygraph.cluster.errors import CallSite, RemoteFailure, WeightSyncError
 from raygraph.cluster.rendezvous import listening_socket, master_store, member_store
 from raygraph.cluster.startup_heap import quiet_heap
 from raygraph.cluster.weights import InProcessTransport
+from raygraph.workers.freed_memory import keep_freed_memory
 
 __all__ = ["RoleHost", "Coordinator"]
 
@@ -51,6 +52,8 @@ class RoleHost:
 
         os.environ.update(env or {})   # before any worker is built (`raygraph.cluster.roles.START_ENV`)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        if not torch.cuda.is_available():   # a CPU process: its updates and reloads reuse freed memory
+            keep_freed_memory()
         node_id, ip = _node()
         self.sites = {role: CallSite(role, rank, actor_name, node_id, ip) for role, rank in ranks.items()}
         with self._guard(next(iter(ranks)), "import plugins"):

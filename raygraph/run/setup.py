@@ -220,8 +220,8 @@ def start_ray(cfg, address: str | None) -> None:
     # Ray starts workers at niceness 15 by default; on a busy machine the actors doing the compute
     # then lose the CPU to Ray's own daemons (measured in docs/benchmarks.md).
     os.environ.setdefault("RAY_worker_niceness", "0")
-    # Ray prestarts idle workers for the driver's job; raygraph's actors carry a runtime env of their
-    # own and never use them, while each polls ~0.4 CPU-s a minute (docs/benchmarks.md, section 19).
+    # Ray prestarts idle workers for the driver's job, each polling ~0.4 CPU-s a minute while it waits
+    # (docs/benchmarks.md, section 19); a run starts all its actors at once when it begins anyway.
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     bundle_cpus = sum(pool.bundles * pool.cpus_per_bundle for pool in pools_for(cfg).values())
     agent = cfg.rollout.agent

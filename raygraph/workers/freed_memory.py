@@ -1,19 +1,23 @@
-"""Freed memory kept for reuse in a process that runs a vLLM engine on CPU.
+"""Freed memory kept for reuse in a process that trains, scores or generates on CPU.
 
-After every weight reload vLLM's CPU build re-packs each linear layer into oneDNN's layout and
-frees the layer's unpacked weights, so a reload allocates and frees ~450 MB of buffers of 4-113 MB
-for SmolLM2-135M. glibc's malloc serves blocks that large with a fresh `mmap` and unmaps them when
-they are freed (its threshold for that adapts up to 32 MiB only), so each reload faulted in ~450 MB
-of new zeroed pages: ~115k minor page faults and ~0.17 s of kernel time in a 0.55 s reload.
+glibc's malloc serves blocks of more than 32 MiB with a fresh `mmap` and unmaps them when they are
+freed (its threshold for that adapts up to 32 MiB only). A CPU training process allocates and frees
+such blocks all the time: a policy update's activations and gradients every micro-batch, and after
+every weight reload vLLM's CPU build re-packs each linear layer into oneDNN's layout and frees the
+layer's unpacked weights (~450 MB of 4-113 MB buffers for SmolLM2-135M). Each time the new mapping
+is faulted in page by page: a reload of that model took ~115k minor page faults and ~0.17 s of
+kernel time of its 0.55 s.
 
 `keep_freed_memory` raises malloc's mmap and trim thresholds to 1 GiB with `mallopt`: blocks up
-to that size come from the heap, and freed ones stay there for the next reload. Measured on the
-135M model (docs/benchmarks.md section 22): a reload 0.545-0.553 s -> 0.46-0.48 s, page faults per
-reload ~115k -> mostly none; the process holds ~0.5 GB more (what the reload freed, kept).
+to that size come from the heap, and freed ones stay there for the next use. Measured on the 135M
+model (docs/benchmarks.md section 22): a reload 0.545-0.553 s -> 0.46-0.48 s (page faults per
+reload ~115k -> mostly none); a colocated GRPO step with vLLM 24.2-26.0 s -> 21.0 s and with the HF
+sampler 20.3-20.7 s -> 19.0-19.6 s; a process holds a few hundred MB more (what it freed, kept).
 
-Called in the process of every vLLM rollout worker on the CPU build, before the engine is built
-(an engine core process of its own is forked from it and inherits the setting). Only glibc has
-these settings; elsewhere nothing changes. `RAYGRAPH_KEEP_FREED_MEMORY=0` turns it off.
+Called by every role actor without a GPU (`raygraph.cluster.host.RoleHost`) and by every vLLM
+rollout worker on the CPU build before its engine is built (an engine core process of its own is
+forked from it and inherits the setting). Only glibc has these settings; elsewhere nothing
+changes. `RAYGRAPH_KEEP_FREED_MEMORY=0` in the workers' environment turns it off.
 """
 
 from __future__ import annotations

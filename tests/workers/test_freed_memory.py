@@ -1,5 +1,5 @@
-"""A process that runs a vLLM engine on CPU keeps freed memory for reuse (raygraph.workers.freed_memory):
-a large block allocated again after being freed faults in no new pages."""
+"""A CPU role actor, and a process that runs a vLLM engine on CPU, keep freed memory for reuse
+(raygraph.workers.freed_memory): a large block allocated again after being freed faults in no new pages."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from raygraph.cluster import PoolSpec, RoleSpec, build_roles
 from raygraph.workers import freed_memory
 
 # The same 200 MB block malloc'ed, filled and freed three times; the minor page faults of each round.
@@ -54,3 +55,22 @@ def test_a_freed_block_is_reused_without_new_page_faults_and_the_switch_turns_it
     plain = _probe(**{freed_memory.KEEP_ENV: "0"})
     assert plain["kept"] is False
     assert min(plain["faults"][1:]) > PAGES // 2          # malloc's default: unmapped, faulted in again
+
+
+class FaultProbe:
+    """A role worker that runs REUSE_PROBE in its actor's process."""
+
+    def faults(self) -> list[int]:
+        return reuse_faults()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_a_role_actor_on_cpu_reuses_freed_blocks(ray_local):
+    ray_local.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    roles = build_roles("test-freed-memory/run", {"train": PoolSpec(bundles=1, cpus_per_bundle=1.0)},
+                        {"policy": RoleSpec(FaultProbe, {}, pool="train")})
+    try:
+        faults = roles.policy.call_rank0("faults")
+    finally:
+        roles.shutdown()
+    assert faults[0] > PAGES // 2 and max(faults[1:]) < PAGES // 20
