@@ -26,7 +26,7 @@ from raygraph.workers.rollout_vllm import VLLMRolloutWorker  # noqa: E402
 PROMPT = "<|user|>" + "the quick brown fox jumps over the lazy dog. " * 6 + "<|end|><|assistant|>"
 
 
-def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weights(tmp_path, capfd):
+def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weights(tmp_path, capfd, monkeypatch):
     old, new = (str(build_tiny_lm(tmp_path / name, size="small", seed=seed)) for name, seed in (("a", 0), ("b", 1)))
     ids = torch.tensor([load_tokenizer(old)(PROMPT, add_special_tokens=False).input_ids])
     assert ids.shape == (1, 219)
@@ -36,6 +36,7 @@ def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weight
     try:
         worker.generate(prompt, greedy=True)   # the prompt's first block is now in the prefix cache
         capfd.readouterr()
+        packed = _embedding_packs(monkeypatch)
         worker.load_weights([list(load_causal_lm(new, dtype="float32").named_parameters())], version=1)
         log = capfd.readouterr()
         after = worker.generate(prompt, greedy=True)
@@ -48,6 +49,24 @@ def test_a_prompt_seen_before_a_weight_update_is_recomputed_under_the_new_weight
     assert "Failed to load weights" not in log.out + log.err
     # The engine's process keeps freed memory for the next reload (raygraph.workers.freed_memory)
     assert max(reuse_faults()[1:]) < PAGES // 20
+    # The tied head's GEMM weight is re-packed once; the input embedding's, never used, is not.
+    assert packed == ["ParallelLMHead"]
+
+
+def _embedding_packs(monkeypatch) -> list[str]:
+    """The class of every vocabulary embedding whose CPU GEMM weight vLLM packs from now on."""
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed, dispatch = [], utils.dispatch_cpu_unquantized_gemm
+
+    def recording(layer, *args, **kwargs):
+        if isinstance(layer, VocabParallelEmbedding):
+            packed.append(type(layer).__name__)
+        return dispatch(layer, *args, **kwargs)
+
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", recording)   # vLLM looks it up at each call
+    return packed
 
 
 def _through_one_reused_buffer(named: list[tuple[str, torch.Tensor]], per_bucket: int):
