@@ -82,10 +82,13 @@ class LowerBound:
         from raygraph.config.workflow_ref import load_workflow
         from raygraph.run.feed import StepData
         from raygraph.run.role_specs import role_specs
+        from raygraph.workers.freed_memory import keep_freed_memory
 
         self.cfg, self.threads = cfg, threads
         self.old_logprobs = old_logprobs or cfg.old_logprobs_source   # recompute | rollout | update
         torch.set_num_threads(threads)
+        if not torch.cuda.is_available():   # what every CPU role actor does (raygraph.cluster.host)
+            keep_freed_memory()
         specs = role_specs(cfg, load_workflow(cfg.workflow).roles)   # the actors' constructor arguments
         self.w = {name: spec.factory(**spec.kwargs) for name, spec in specs.items()}
         self.data, self.kl_ctl = StepData.load(cfg), _kl_controller(cfg)
