@@ -31,5 +31,6 @@ def main() -> None:
     print(json.dumps({"benchmark": "lean_imports", "rounds": args.rounds, **result,
                       "lean_over_plain": round(med["lean"] / med["plain"], 3)}, indent=1))
 
+
 if __name__ == "__main__":
     main()

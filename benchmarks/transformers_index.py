@@ -64,5 +64,6 @@ def main() -> None:
     print(json.dumps({"benchmark": "transformers_index", "rounds": args.rounds, **result,
                       "stored_over_scanned": round(med["stored"] / med["scanned"], 3)}, indent=1))
 
+
 if __name__ == "__main__":
     main()

@@ -119,7 +119,10 @@ def _skip_packing_lookup_only_embeddings(model: torch.nn.Module) -> None:
     SmolLM2's 113 MB embedding once for nothing (~40 ms of a ~0.5 s reload). A module that is also
     an LM head (a `ParallelLMHead`, or registered under a name ending in `lm_head`, as a tied head
     can be) keeps its packing; a tied `lm_head` is re-processed in `_reprocess_tied_layers`.
+    Done once per model (the modules do not change between reloads).
     """
+    if getattr(model, "_raygraph_embeddings_unpacked", False):
+        return
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         UnquantizedEmbeddingMethod,
@@ -134,6 +137,7 @@ def _skip_packing_lookup_only_embeddings(model: torch.nn.Module) -> None:
                 and isinstance(method, UnquantizedEmbeddingMethod)
                 and "process_weights_after_loading" not in vars(method)):
             method.process_weights_after_loading = _keep_unpacked   # this layer's own method object
+    model._raygraph_embeddings_unpacked = True
 
 
 def _keep_unpacked(layer: torch.nn.Module) -> None:
