@@ -20,12 +20,16 @@ Where the payload goes:
 
 Either way the sender packs and checksums bucket i + 1 while bucket i is on its way, and a
 receiver receives bucket i + 1 while it checks and loads bucket i (gloo/NCCL waits and xxhash
-release the GIL). What a receiver hands to `load` are views into reused memory: `load` must copy
+release the GIL). Through shared memory the sender packs with one torch thread: its receivers
+share its host's cores, their loads are the slower side (a loaded bucket is re-packed by the
+engine), and a second packing thread only competed with them for cores (docs/benchmarks.md,
+section 22). What a receiver hands to `load` are views into reused memory: `load` must copy
 a bucket before it asks for the next one (the receive after next overwrites it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -108,6 +112,10 @@ class CollectiveTransport:
             raise
 
     def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
+        with _torch_threads(1) if self.shared else contextlib.nullcontext():
+            return self._send(buckets, version, corrupt_bucket)
+
+    def _send(self, buckets: Iterable[Bucket], version: int, corrupt_bucket: int | None) -> dict:
         start, total, count = time.perf_counter(), 0, 0
         self._group.arrive(f"send v{version}")
         self._segments.all_mapped()   # every receiver finished the last transfer
@@ -223,6 +231,17 @@ class CollectiveTransport:
         self._segments.close()
         self._views.close()
         collective.leave(self.group_name)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads of the calling thread set to `n` for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _header(meta: dict, payload: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
