@@ -40,9 +40,7 @@ GPU-only options (`enable_sleep_mode`, `tensor_parallel_size`, `enable_prefix_ca
 from __future__ import annotations
 
 import functools
-import re
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -124,7 +122,6 @@ class VLLMRolloutWorker:
         self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *_generation_eos(model_path),
                                       *stop_token_ids} - {None})
         self._shapes, self._alias = _weight_spec(model_path)
-        self._layers = {name: _decoder_layer(name) for name in self._shapes}
         if lora_sync not in ("adapter", "merged"):
             raise ValueError(f"unknown lora_sync {lora_sync!r}; valid: adapter, merged")
         self._adapter = AdapterSlot(model_path, lora) if lora is not None and lora_sync == "adapter" else None
@@ -294,7 +291,6 @@ class VLLMRolloutWorker:
 
     def _load_full(self, buckets: Iterable[list[tuple[str, Tensor]]], version: int) -> dict:
         loaded, nbytes, seen = 0, 0, set()
-        missing_of = Counter(self._layers.values())   # tensors not yet received, by decoder layer
         self._wake()
         vllm_compat.begin_weight_update(self.engine)
         try:
@@ -305,14 +301,7 @@ class VLLMRolloutWorker:
                     if canonical not in seen:  # a tied tensor sent under both names goes once
                         seen.add(canonical)
                         send.append((canonical, tensor))
-                        missing_of[self._layers[canonical]] -= 1
-                # vLLM holds a layer's tensors until its last one arrives: those of a layer this
-                # bucket leaves incomplete outlive the call (the rest are re-packed during it).
-                # Tensors outside the decoder layers count as held: vLLM may re-pack such a
-                # layer only at the end (a padded vocabulary never adds up to its numel).
-                held = {name for name, _ in send
-                        if (layer := self._layers[name]) is None or missing_of[layer] > 0}
-                vllm_compat.load_bucket(self.engine, send, held=held)
+                vllm_compat.load_bucket(self.engine, send)
                 loaded += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         finally:
@@ -386,15 +375,6 @@ def _generation_eos(model_path: str) -> list[int]:
         eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
-
-def _decoder_layer(name: str) -> str | None:
-    """The decoder layer of a state-dict name (`model.layers.3`; None outside the decoder layers):
-    a unit that holds every tensor of any layer vLLM re-packs (fused q/k/v or gate/up included)."""
-    match = _DECODER_LAYER.match(name)
-    return match.group(1) if match else None
-
-
-_DECODER_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
 def _weight_spec(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

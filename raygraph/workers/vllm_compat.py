@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -331,15 +331,14 @@ def begin_weight_update(engine: Any) -> None:
     engine.collective_rpc("raygraph_begin_weight_update")
 
 
-def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]], held: Collection[str] | None = None) -> None:
+def load_bucket(engine: Any, bucket: list[tuple[str, torch.Tensor]]) -> None:
     """Send one bucket (HF checkpoint names) to every engine worker and load it: to an engine core
-    in this process (`vllm_in_process`) by reference, except copies of the tensors named in `held`
-    (None: all), those vLLM keeps after this call (it holds the tensors of a layer until its last
-    one arrives, and a transport may reuse its buffers for the next bucket); else through a
-    shared-memory file where /dev/shm has room (`vllm_staging`), else as RPC arguments."""
+    in this process (`vllm_in_process`) by reference (the engine copies the tensors it keeps past
+    the call, `vllm_worker_extension.own_buffered_tensors`: a transport may reuse the bucket's
+    memory for the next one); else through a shared-memory file where /dev/shm has room
+    (`vllm_staging`), else as RPC arguments."""
     if runs_here(engine):
-        tensors = [(name, t.clone() if held is None or name in held else t) for name, t in bucket]
-        engine.collective_rpc("raygraph_load_tensors", args=(tensors,))
+        engine.collective_rpc("raygraph_load_tensors", args=(bucket,))
         return
     staging = Staging.for_engine(engine, sum(t.nbytes for _, t in bucket))
     if staging is None:

@@ -13,7 +13,7 @@ import torch
 from raygraph.workers.vllm_deaths import FirstError, exit_when_orphaned
 from raygraph.workers.vllm_staging import shared_tensors
 
-__all__ = ["WorkerExtension"]
+__all__ = ["WorkerExtension", "own_buffered_tensors"]
 
 
 class WorkerExtension:
@@ -58,8 +58,10 @@ class WorkerExtension:
         self.raygraph_load_weights(_from_wire(wire))
 
     def raygraph_load_tensors(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """A bucket handed over in memory (the engine core in the caller's process)."""
+        """A bucket handed over in memory (the engine core in the caller's process); the caller
+        may reuse its memory once this returns."""
         self.raygraph_load_weights(iter(bucket))
+        own_buffered_tensors()
 
     def raygraph_load_shared(self, path: str, nbytes: int, layout: list) -> None:
         self.raygraph_load_weights(shared_tensors(path, nbytes, layout))
@@ -73,6 +75,32 @@ class WorkerExtension:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             _reprocess_tied_layers(model)
         self.model_runner.reset_encoder_cache()
+
+
+def own_buffered_tensors() -> list[str]:
+    """Replace every tensor that vLLM's layerwise reload still buffers by a copy of it.
+
+    The reload keeps the loader arguments of a layer until the layer's last tensor has arrived (a
+    layer split over two buckets; attention layers until the end of the update) and builds the
+    layer from them then, while the caller may overwrite a bucket's memory as soon as the load
+    call returns (a transport's reused segment). A layer that a bucket completes is built during
+    the call and keeps nothing, so only what a layer still waits with is copied, once (copies are
+    marked): not, e.g., SmolLM2's 113 MB embedding, whose vocabulary vLLM does not pad.
+    Returns the class of the layer of each tensor copied.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    copied = []
+    for layer, info in list(LAYERWISE_INFO.items()):
+        for _, bound in info.loaded_weights:
+            for key, value in list(bound.arguments.items()):
+                if (key != "param" and isinstance(value, torch.Tensor) and value.device.type != "meta"
+                        and not getattr(value, "_raygraph_owned", False)):
+                    copy = value.clone()
+                    copy._raygraph_owned = True
+                    bound.arguments[key] = copy
+                    copied.append(type(layer).__name__)
+    return copied
 
 
 class _KnownReloadWarnings(logging.Filter):

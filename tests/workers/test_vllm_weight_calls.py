@@ -57,7 +57,7 @@ def engine(monkeypatch):
     engine = _RecordingEngine()
     monkeypatch.setattr(vllm_compat, "build_engine", lambda **kw: engine)
     monkeypatch.setattr(vllm_compat, "watch_engine", lambda engine: None)
-    monkeypatch.setattr(vllm_compat, "load_bucket", lambda engine, bucket, held=None: engine.calls.append("load_bucket"))
+    monkeypatch.setattr(vllm_compat, "load_bucket", lambda engine, bucket: engine.calls.append("load_bucket"))
     return engine
 
 

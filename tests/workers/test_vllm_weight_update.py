@@ -85,17 +85,39 @@ def _through_one_reused_buffer(named: list[tuple[str, torch.Tensor]], per_bucket
         buffer.fill_(float("nan"))
 
 
-@pytest.mark.parametrize("per_bucket", [1, 5])
-def test_an_update_through_a_reused_buffer_loads_every_layer_whole(tmp_path, per_bucket):
+def _tiny_with_vocab(path, seed: int, vocab: int) -> str:
+    """The small tiny model with its tokenizer grown to `vocab` tokens (vLLM pads a vocabulary to
+    a multiple of 64: the tiny tokenizer's 93 are padded, 128 are not)."""
+    from transformers import AutoModelForCausalLM
+
+    from raygraph.models.tiny import build_tiny_tokenizer, tiny_config
+
+    tok = build_tiny_tokenizer()
+    tok.add_tokens([f"<extra_{i}>" for i in range(vocab - len(tok))])
+    config = tiny_config("small")
+    config.vocab_size = len(tok)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("per_bucket,vocab", [(1, 93), (5, 93), (1, 128)])
+def test_an_update_through_a_reused_buffer_loads_every_layer_whole(tmp_path, monkeypatch, per_bucket, vocab):
     """vLLM's layerwise reload keeps the tensors of a layer until its last one arrives (one tensor
     a bucket: q, k and v of one attention come in three buckets; five a bucket: a decoder layer
     of 12 tensors straddles two or three buckets, and the layers a bucket completes are re-packed
-    from its tensors without a copy): the engine must copy what it keeps, or the layer is built
-    from a buffer the next bucket overwrote. After the update the engine's log-probs are the new
-    model's."""
-    old, new = (str(build_tiny_lm(tmp_path / name, size="small", seed=seed)) for name, seed in (("a", 0), ("b", 1)))
+    from its tensors without a copy; a padded vocabulary's embedding until the end of the update):
+    the engine must copy what it keeps, or the layer is built from a buffer the next bucket
+    overwrote, and only that (an embedding whose vocabulary is not padded is built during its own
+    bucket's load). After the update the engine's log-probs are the new model's."""
+    from raygraph.workers import vllm_worker_extension
+
+    old, new = (_tiny_with_vocab(tmp_path / name, seed, vocab) for name, seed in (("a", 0), ("b", 1)))
     ids = torch.tensor([load_tokenizer(old)("<|user|>1+2=<|end|><|assistant|>", add_special_tokens=False).input_ids])
     prompt = Batch({PROMPT_IDS: ids, PROMPT_MASK: torch.ones_like(ids)}, {UID: ["p"]})
+    copied, own = [], vllm_worker_extension.own_buffered_tensors
+    monkeypatch.setattr(vllm_worker_extension, "own_buffered_tensors", lambda: copied.extend(own()) or copied)
     worker = VLLMRolloutWorker(model_path=old, max_new_tokens=8, enforce_eager=True, gpu_memory_utilization=0.03)
     try:
         named = [(n, p.detach()) for n, p in load_causal_lm(new, dtype="float32").named_parameters()]
@@ -106,3 +128,6 @@ def test_an_update_through_a_reused_buffer_loads_every_layer_whole(tmp_path, per
     recomputed = response_logprobs(load_causal_lm(new, dtype="float32"), after, temperature=1.0)[0]
     diff = (after[ROLLOUT_LOGPROBS] - recomputed).abs()[after[RESPONSE_MASK] == 1]
     assert torch.isfinite(after[ROLLOUT_LOGPROBS]).all() and diff.max() < 1e-4
+    assert ("VocabParallelEmbedding" in copied) == (vocab % 64 != 0)
+    if per_bucket == 1:   # q and k wait for v in every one of the 4 layers, gate for up
+        assert copied.count("QKVParallelLinear") >= 8 and copied.count("MergedColumnParallelLinear") == 4
