@@ -376,7 +376,6 @@ def _generation_eos(model_path: str) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-
 def _weight_spec(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """`({state-dict name: shape}, {tied alias: canonical name})` of the HF model, built on the
     meta device (no memory). The canonical name of tied tensors is the first one (the input
