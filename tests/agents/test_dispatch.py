@@ -125,8 +125,12 @@ class SeededEngine:
         return out
 
 
+GATE = threading.Event()   # a row with extra_info.gated waits for it (at most 30 s) at each step
+
+
 class Slow:
-    """Two turns; a row with extra_info.slow sleeps `slow` seconds per step."""
+    """Two turns; a row with extra_info.slow sleeps `slow` seconds per step, one with
+    extra_info.gated waits for `GATE`."""
 
     def __init__(self, row):
         self.row, self.k = row, 0
@@ -134,6 +138,8 @@ class Slow:
     def step(self, response):
         self.k += 1
         time.sleep(self.row["extra_info"].get("slow", 0.0))
+        if self.row["extra_info"].get("gated"):
+            GATE.wait(timeout=30)
         return f"again {self.k}", float(len(response)), self.k >= 2
 
 
@@ -143,12 +149,12 @@ def _loop() -> AgentLoop:
     return AgentLoop(tokenizer=TOK, stop_token_ids=[EOS], budgets=budgets, env="test_dispatch.Slow")
 
 
-def _share(rank: int, groups: int, n: int, slow: float):
+def _share(rank: int, groups: int, n: int, slow: float, gated: bool = False):
     """Rank `rank`'s share: `groups` prompt groups of `n` rows, seeds distinct per row."""
     uids = [f"r{rank}g{g}" for g in range(groups) for _ in range(n)]
     rows = Batch({}, {UID: np.array(uids, dtype=object)})
     prompts = [TOK(f"q{rank} {i}", add_special_tokens=False)["input_ids"] for i in range(len(uids))]
-    env_rows = [{"uid": u, "extra_info": {"slow": slow}} for u in uids]
+    env_rows = [{"uid": u, "extra_info": {"slow": slow, "gated": gated}} for u in uids]
     seeds = [1000 * rank + i for i in range(len(uids))]
     return prompts, env_rows, seeds, rows
 
@@ -181,7 +187,10 @@ def test_two_ranks_share_a_round_by_load_and_return_what_the_even_split_gives():
 
 
 def test_the_fast_rank_runs_groups_of_the_slow_one(monkeypatch):
-    shares = [_share(0, 4, 2, 0.0), _share(1, 4, 2, 0.05)]
+    # Rank 1's episodes wait until rank 0 has claimed all of its own groups (a sleep of rank 1's
+    # environment was not slow enough on a loaded machine: rank 0's thread could be starved).
+    GATE.clear()
+    shares = [_share(0, 4, 2, 0.0), _share(1, 4, 2, 0.0, gated=True)]
     board = GroupBoard(is_dead=lambda handle: False)
     claims: list[tuple[int, int]] = []   # (claiming rank, owner)
     claim = board.claim
@@ -190,6 +199,8 @@ def test_the_fast_rank_runs_groups_of_the_slow_one(monkeypatch):
         got = claim(round_id, r)
         if got is not None:
             claims.append((r, got[0]))
+        if r == 0 and (got is None or got[0] == 1):   # rank 0 is through its own groups
+            GATE.set()
         return got
 
     monkeypatch.setattr(board, "claim", watched)
