@@ -38,11 +38,14 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
         rows = [json.loads(line) for line in (Path(summary.run_dir) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] > warmup]
     step_s = [r["timing/step_s"] for r in timed]
+    # Of rollout workflows only (an SFT or DPO run has neither): absent rather than 0.
+    rollout_means = {out: statistics.fmean(r[key] for r in timed)
+                     for out, key in (("response_length_mean", "rollout/response_length_mean"),
+                                      ("reward_mean", "reward/mean")) if all(key in r for r in timed)}
     return {
         "config": config, "overrides": overrides, "steps": len(timed), "warmup": warmup,
         "step_s": step_s, "step_s_median": statistics.median(step_s), "step_s_mean": statistics.fmean(step_s),
-        "response_length_mean": statistics.fmean(r.get("rollout/response_length_mean", 0.0) for r in timed),
-        "reward_mean": statistics.fmean(r.get("reward/mean", 0.0) for r in timed),
+        **rollout_means,
         "tokens_per_s_mean": statistics.fmean(r.get("perf/tokens_per_s", 0.0) for r in timed),
         "samples_per_step": cfg.samples_per_step, "stages_mean_s": _stage_means(timed),
         "wall_s": wall, "machine": f"{platform.machine()} {platform.system()}, {_cpus()} CPUs",

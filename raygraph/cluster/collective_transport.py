@@ -20,10 +20,10 @@ Where the payload goes:
 
 Either way the sender packs and checksums bucket i + 1 while bucket i is on its way, and a
 receiver receives bucket i + 1 while it checks and loads bucket i (gloo/NCCL waits and xxhash
-release the GIL). Through shared memory the sender packs with one torch thread: its receivers
-share its host's cores, their loads are the slower side (a loaded bucket is re-packed by the
-engine), and a second packing thread only competed with them for cores (docs/benchmarks.md,
-section 22). What a receiver hands to `load` are views into reused memory: `load` must copy
+release the GIL). A bucket going through shared memory is packed with one torch thread: the
+receivers share the sender's host and cores, their loads are the slower side (a loaded bucket is
+re-packed by the engine), and a second packing thread only competed with them for cores
+(docs/benchmarks.md, section 22); producing the buckets keeps the sender's threads. What a receiver hands to `load` are views into reused memory: `load` must copy
 a bucket before it asks for the next one (the receive after next overwrites it).
 """
 
@@ -112,10 +112,6 @@ class CollectiveTransport:
             raise
 
     def send(self, buckets: Iterable[Bucket], version: int, *, corrupt_bucket: int | None = None) -> dict:
-        with _torch_threads(1) if self.shared else contextlib.nullcontext():
-            return self._send(buckets, version, corrupt_bucket)
-
-    def _send(self, buckets: Iterable[Bucket], version: int, corrupt_bucket: int | None) -> dict:
         start, total, count = time.perf_counter(), 0, 0
         self._group.arrive(f"send v{version}")
         self._segments.all_mapped()   # every receiver finished the last transfer
@@ -131,7 +127,8 @@ class CollectiveTransport:
                 nbytes = sum(aligned(t.numel() * t.element_size()) for _, t in bucket)
                 segment = self._segments.for_bucket(slot, nbytes) if self.shared else None
                 target = segment.tensor[:nbytes] if segment else self._buffer(slot, nbytes)
-                meta, payload = pack_bucket(bucket, self._device, target, checksum=self.verify)
+                with _torch_threads(1) if segment else contextlib.nullcontext():
+                    meta, payload = pack_bucket(bucket, self._device, target, checksum=self.verify)
                 meta.update(version=version, index=index, segment=segment.name if segment else None)
                 if index == corrupt_bucket:
                     payload[0] ^= 0xFF

@@ -90,16 +90,27 @@ def own_buffered_tensors() -> list[str]:
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    copied = []
-    for layer, info in list(LAYERWISE_INFO.items()):
-        for _, bound in info.loaded_weights:
-            for key, value in list(bound.arguments.items()):
-                if (key != "param" and isinstance(value, torch.Tensor) and value.device.type != "meta"
-                        and not getattr(value, "_raygraph_owned", False)):
-                    copy = value.clone()
-                    copy._raygraph_owned = True
-                    bound.arguments[key] = copy
-                    copied.append(type(layer).__name__)
+    copied: list[str] = []
+
+    def owned(value, layer):
+        if isinstance(value, (tuple, list)):   # a loader's *args
+            return type(value)(owned(v, layer) for v in value)
+        if isinstance(value, dict):            # a loader's **kwargs
+            return {k: owned(v, layer) for k, v in value.items()}
+        if (not isinstance(value, torch.Tensor) or value.device.type == "meta"
+                or getattr(value, "_raygraph_owned", False)):
+            return value
+        copy = value.clone()
+        copy._raygraph_owned = True
+        copied.append(type(layer).__name__)
+        return copy
+
+    with torch.no_grad():
+        for layer, info in list(LAYERWISE_INFO.items()):
+            for _, bound in info.loaded_weights:
+                for key, value in list(bound.arguments.items()):
+                    if key != "param":
+                        bound.arguments[key] = owned(value, layer)
     return copied
 
 

@@ -56,18 +56,31 @@ class _Peer:
                      for (_, t), (_, u) in zip(buckets[i], _bucket(spec, version, i)))
         return {**stats, "sources_intact": intact}
 
-    def send_counting_threads(self, sizes: list, version: int) -> tuple[list[int], int]:
-        """Send with 2 torch threads set: the threads in effect as each bucket was taken, and after."""
-        torch.set_num_threads(2)
-        during = []
+    def send_counting_threads(self, sizes: list, version: int) -> tuple[list[int], list[int], int]:
+        """Send with 2 torch threads set: the threads in effect as each bucket was taken, as it was
+        packed, and after."""
+        from raygraph.cluster import collective_transport
+
+        before, pack = torch.get_num_threads(), collective_transport.pack_bucket
+        taking, packing = [], []
 
         def buckets():
             for i, spec in enumerate(sizes):
-                during.append(torch.get_num_threads())
+                taking.append(torch.get_num_threads())
                 yield _bucket(spec, version, i)
 
-        self.transport.send(buckets(), version)
-        return during, torch.get_num_threads()
+        def counted(*args, **kwargs):
+            packing.append(torch.get_num_threads())
+            return pack(*args, **kwargs)
+
+        torch.set_num_threads(2)
+        collective_transport.pack_bucket = counted
+        try:
+            self.transport.send(buckets(), version)
+            return taking, packing, torch.get_num_threads()
+        finally:
+            collective_transport.pack_bucket = pack
+            torch.set_num_threads(before)
 
     def receive(self, strict: bool = True, copy: bool = True,
                 pause_s: float = 0.0) -> tuple[dict, dict, list[int], list[int]]:
@@ -273,22 +286,25 @@ def test_segment_names_go_once_mapped_and_a_dead_senders_segments_are_removed(ra
 
 def test_through_shared_memory_the_sender_packs_with_one_thread(ray_local, peers):
     # On one host the receivers' loads share the sender's cores: a second packing thread only
-    # competed with them (docs/benchmarks.md section 22). Between hosts nothing changes.
+    # competed with them (docs/benchmarks.md section 22). Producing the buckets keeps the
+    # sender's threads; between hosts nothing changes.
     sender, receiver = peers
     shared = ray_local.get(sender.shared.remote())
-    (during, after), _ = ray_local.get([sender.send_counting_threads.remote([1000, 2000, 3000], 40),
-                                        receiver.receive.remote()])
-    assert during == ([1, 1, 1] if shared else [2, 2, 2])
-    assert after == 2
+    (taking, packing, after), _ = ray_local.get([sender.send_counting_threads.remote([1000, 2000, 3000], 40),
+                                                 receiver.receive.remote()])
+    assert packing == ([1, 1, 1] if shared else [2, 2, 2])
+    assert taking == [2, 2, 2] and after == 2
 
 
-def test_a_senders_segment_is_mapped_with_its_pages_in_place(tmp_path):
+def test_a_senders_segment_is_mapped_with_its_pages_in_place():
     # MAP_POPULATE: packing the first bucket into a new 64 MiB segment takes no page fault per
     # 4 KiB page (16k faults without it).
+    import mmap
     import resource
 
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-    segment = Segment(64 << 20, directory)
+    if not (os.path.isdir("/dev/shm") and hasattr(mmap, "MAP_POPULATE")):
+        pytest.skip("needs /dev/shm and MAP_POPULATE (Linux)")
+    segment = Segment(64 << 20, "/dev/shm")
     try:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         segment.tensor.fill_(7)
