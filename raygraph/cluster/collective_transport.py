@@ -23,8 +23,10 @@ receiver receives bucket i + 1 while it checks and loads bucket i (gloo/NCCL wai
 release the GIL). A bucket going through shared memory is packed with one torch thread: the
 receivers share the sender's host and cores, their loads are the slower side (a loaded bucket is
 re-packed by the engine), and a second packing thread only competed with them for cores
-(docs/benchmarks.md, section 22); producing the buckets keeps the sender's threads. What a receiver hands to `load` are views into reused memory: `load` must copy
-a bucket before it asks for the next one (the receive after next overwrites it).
+(docs/benchmarks.md, section 22); producing the buckets keeps the sender's threads.
+
+What a receiver hands to `load` are views into reused memory: `load` must copy a bucket before it
+asks for the next one (the receive after next overwrites it).
 """
 
 from __future__ import annotations
